@@ -1,0 +1,37 @@
+"""paged_kv_compile: paged KV cache for diffusion transformers that stays compiled.
+
+Importing this package is cheap: it registers the `paged_kv` custom ops and the `paged_kv`
+torch.compile backend, and imports neither vLLM nor Triton.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .config import Bucket, PagedKVConfig
+from .errors import (
+    BindingError,
+    CapacityError,
+    ConfigError,
+    KernelUnavailableError,
+    OpInputError,
+    PagedKVError,
+    PassError,
+    RequestError,
+)
+from .pool import KVPool
+
+__all__ = [
+    "__version__",
+    "Bucket",
+    "PagedKVConfig",
+    "KVPool",
+    "PagedKVError",
+    "ConfigError",
+    "OpInputError",
+    "KernelUnavailableError",
+    "CapacityError",
+    "RequestError",
+    "BindingError",
+    "PassError",
+]

@@ -1,0 +1,152 @@
+"""KVPool: one stacked tensor for K and V of every layer, and its absolute addressing.
+
+Layout of the block axis: ``[layer 0 managed | layer 1 managed | ... | scratch (per local row) | pad]``.
+Layer ``l``'s local block ``b`` is absolute block ``l * blocks_per_layer + b``; slot ``s`` of absolute
+block ``a`` is ``a * block_size + s``. Scratch blocks hold transient K/V (denoising steps, action
+tokens, the rewritten target span) and are shared by all layers: the fused op writes and reads them in
+one call, so no layer needs another layer's scratch. The pad block is never valid and never written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import PagedKVConfig
+from .errors import ConfigError
+
+
+class KVPool:
+    """The one pool tensor ``[2, num_blocks_total, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        blocks_per_layer: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        scratch_rows: int = 1,
+        scratch_blocks_per_row: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        if blocks_per_layer < 1:
+            raise ConfigError(
+                f"the pool has {blocks_per_layer} blocks per layer; it needs at least 1: raise the budget "
+                "or blocks_per_layer"
+            )
+        if num_layers < 1 or num_kv_heads < 1 or head_dim < 1:
+            raise ConfigError(
+                f"num_layers, num_kv_heads and head_dim must be >= 1 (got {num_layers}, {num_kv_heads}, {head_dim})"
+            )
+        if not dtype.is_floating_point:
+            raise ConfigError(f"the pool dtype must be a floating type, got {dtype}")
+        self.num_layers = num_layers
+        self.blocks_per_layer = blocks_per_layer
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scratch_rows = scratch_rows
+        self.scratch_blocks_per_row = scratch_blocks_per_row
+        self.scratch_base = num_layers * blocks_per_layer
+        self.pad_block = self.scratch_base + scratch_rows * scratch_blocks_per_row
+        self.num_blocks_total = self.pad_block + 1
+        self.tensor = torch.zeros(
+            2, self.num_blocks_total, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self.layer_bases = torch.arange(num_layers, dtype=torch.int64) * blocks_per_layer
+
+    # ---- construction -------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_block_all_layers(cfg: PagedKVConfig) -> int:
+        """Bytes one local block costs: K and V, in every layer."""
+        itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+        return 2 * cfg.num_layers * cfg.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    @classmethod
+    def from_config(cls, cfg: PagedKVConfig, *, min_tokens_per_layer: int = 0) -> "KVPool":
+        """Size the pool from ``blocks_per_layer`` or from ``budget_bytes`` (scratch and pad included)."""
+        per_block = cls.bytes_per_block_all_layers(cfg) // cfg.num_layers  # one block of one layer
+        scratch_blocks = cfg.max_rows * cfg.scratch_blocks_per_row
+        if cfg.blocks_per_layer is not None:
+            blocks = cfg.blocks_per_layer
+        else:
+            fixed = (scratch_blocks + 1) * per_block
+            blocks = (cfg.budget_bytes - fixed) // (per_block * cfg.num_layers)
+            if blocks < 1:
+                raise ConfigError(
+                    f"budget_bytes={cfg.budget_bytes} cannot hold one block per layer plus scratch "
+                    f"(needs at least {fixed + per_block * cfg.num_layers} bytes); raise the budget or "
+                    "lower block_size / scratch_tokens_per_row"
+                )
+        if blocks * cfg.block_size < min_tokens_per_layer:
+            need = -(-min_tokens_per_layer // cfg.block_size)
+            raise ConfigError(
+                f"the pool holds {blocks * cfg.block_size} tokens per layer, below one window of "
+                f"{min_tokens_per_layer} tokens; give at least {need} blocks per layer "
+                f"(about {need * per_block * cfg.num_layers + (scratch_blocks + 1) * per_block} bytes)"
+            )
+        return cls(
+            cfg.num_layers,
+            blocks,
+            cfg.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            scratch_rows=cfg.max_rows,
+            scratch_blocks_per_row=cfg.scratch_blocks_per_row,
+            dtype=cfg.dtype,
+            device=cfg.device,
+        )
+
+    # ---- reports ------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def tokens_per_layer(self) -> int:
+        return self.blocks_per_layer * self.block_size
+
+    def describe(self) -> dict:
+        return {
+            "bytes": self.nbytes,
+            "blocks_per_layer": self.blocks_per_layer,
+            "tokens_per_layer": self.tokens_per_layer,
+            "scratch_blocks": self.pad_block - self.scratch_base,
+            "block_size": self.block_size,
+            "shape": tuple(self.tensor.shape),
+        }
+
+    # ---- addressing (vectorized) --------------------------------------------------------------
+    def block_id(self, layer: torch.Tensor | int, local_block: torch.Tensor | int) -> torch.Tensor:
+        """Absolute block id of (layer, local block); broadcasts."""
+        layer = torch.as_tensor(layer, dtype=torch.int64)
+        local_block = torch.as_tensor(local_block, dtype=torch.int64)
+        if bool((local_block < 0).any()) or bool((local_block >= self.blocks_per_layer).any()):
+            raise IndexError(f"local block ids must lie in [0, {self.blocks_per_layer})")
+        if bool((layer < 0).any()) or bool((layer >= self.num_layers).any()):
+            raise IndexError(f"layer ids must lie in [0, {self.num_layers})")
+        return layer * self.blocks_per_layer + local_block
+
+    def slot(self, block: torch.Tensor | int, offset: torch.Tensor | int) -> torch.Tensor:
+        """Absolute slot of (absolute block, offset in block); broadcasts."""
+        return torch.as_tensor(block, dtype=torch.int64) * self.block_size + torch.as_tensor(offset, dtype=torch.int64)
+
+    def slots_for_positions(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Absolute slots of logical positions ``[..., T]`` through a block table ``[..., M]``; -1 stays -1."""
+        positions = positions.to(torch.int64)
+        valid = positions >= 0
+        safe = positions.clamp(min=0)
+        blocks = torch.gather(block_table.to(torch.int64), -1, safe // self.block_size)
+        slots = blocks * self.block_size + safe % self.block_size
+        return torch.where(valid, slots, torch.full_like(slots, -1))
+
+    def scratch_block_ids(self, row: int) -> torch.Tensor:
+        """Absolute ids of local row ``row``'s scratch blocks."""
+        if not 0 <= row < self.scratch_rows:
+            raise IndexError(f"scratch row {row} out of range [0, {self.scratch_rows})")
+        start = self.scratch_base + row * self.scratch_blocks_per_row
+        return torch.arange(start, start + self.scratch_blocks_per_row, dtype=torch.int64)
