@@ -1,0 +1,93 @@
+"""How a rewritten attention site finds its layer (and runtime) at call time.
+
+Layer identity is data: `bind` records the storage address of every parameter of every layer. A
+compiled site receives its projection weight as a graph input anyway, so the callable the backend
+returns looks that address up: blocks can run in any order, be skipped, or share one compiled graph,
+and each still reads its own layer's KV. Stand-ins for dense caches are registered here too, so the
+backend can recognize them among a graph's example inputs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import torch
+
+from .errors import BindingError
+
+if TYPE_CHECKING:
+    from .runtime import PagedKVRuntime
+
+_layer_of_param: dict[int, tuple[weakref.ref, int]] = {}
+_standin_storages: dict[int, weakref.ref] = {}
+
+
+def bind_layers(runtime: "PagedKVRuntime", layers: Sequence[torch.nn.Module]) -> dict[int, int]:
+    """Record each layer's parameters for `runtime`; rejects tied weights and layer-count mismatches."""
+    if len(layers) != runtime.config.num_layers:
+        raise BindingError(
+            f"{len(layers)} layers given but the runtime was configured for {runtime.config.num_layers}; "
+            "bind the model's list of blocks/decoder layers"
+        )
+    table: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        params = list(layer.parameters())
+        if not params:
+            raise BindingError(f"layer {index} ({type(layer).__name__}) has no parameters; bind the attention blocks")
+        for p in params:
+            ptr = p.data_ptr()
+            owner = table.get(ptr)
+            if owner is not None and owner != index:
+                raise BindingError(
+                    f"layers {owner} and {index} share a parameter (tied weights): a site could not tell them "
+                    "apart; untie the weights (clone them per layer) before binding"
+                )
+            table[ptr] = index
+    unbind_runtime(runtime)
+    ref = weakref.ref(runtime)
+    for ptr, index in table.items():
+        previous = _layer_of_param.get(ptr)
+        if previous is not None and previous[0]() is not None and previous[0]() is not runtime:
+            raise BindingError("these weights are already bound to another live runtime; close it first")
+        _layer_of_param[ptr] = (ref, index)
+    return table
+
+
+def unbind_runtime(runtime: "PagedKVRuntime") -> None:
+    for ptr in [p for p, (ref, _) in _layer_of_param.items() if ref() is runtime or ref() is None]:
+        del _layer_of_param[ptr]
+
+
+def resolve(weight: torch.Tensor) -> tuple["PagedKVRuntime", int]:
+    """(runtime, layer index) of a bound parameter; a clear error otherwise."""
+    entry = _layer_of_param.get(weight.data_ptr())
+    runtime = entry[0]() if entry is not None else None
+    if runtime is None:
+        raise BindingError(
+            f"a paged attention site was called with a weight of shape {tuple(weight.shape)} that no live runtime "
+            "has bound: call runtime.bind(layers) with this model's layers (again, if the weights were moved, "
+            "re-created or loaded after binding)"
+        )
+    return runtime, entry[1]
+
+
+def register_standin_storage(tensor: torch.Tensor) -> None:
+    _standin_storages[tensor.untyped_storage().data_ptr()] = weakref.ref(tensor)
+
+
+def is_standin(value: object) -> bool:
+    """True for a registered zero-stride stand-in of a dense cache."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return False
+    if any(s != 0 for s in value.stride()):
+        return False
+    try:
+        ref = _standin_storages.get(value.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # fake or functional tensors have no real storage
+        return False
+    return ref is not None and ref() is not None
+
+
+def registered_layers(runtime: "PagedKVRuntime") -> Iterable[int]:
+    return sorted({i for ref, i in _layer_of_param.values() if ref() is runtime})

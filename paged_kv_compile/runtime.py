@@ -1,0 +1,195 @@
+"""PagedKVRuntime: owns the pool, admits and releases work, and brackets every forward.
+
+A forward is ``with runtime.forward(plan): model(...)``: the plan (from the scheduler) is turned into
+the bucket's metadata for all layers in one step, compiled sites read it while the block runs, and on
+exit the forward is committed, or rolled back if the block raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from . import binding
+from .allocator import make_allocator
+from .config import Bucket, PagedKVConfig
+from .errors import RequestError
+from .metadata import BucketMetadata, MetadataBuilder
+from .pool import KVPool
+from .scheduler import DreamZeroSpec, ForwardPlan, HunyuanSpec, Scheduler
+
+
+@dataclass
+class ActiveForward:
+    plan: ForwardPlan
+    bucket: Bucket
+    meta: BucketMetadata
+    generation: int
+
+
+class PagedKVRuntime:
+    """The pool, the block ownership, the per-forward metadata and the cache stand-ins of one model."""
+
+    def __init__(
+        self,
+        config: PagedKVConfig,
+        *,
+        allocator: str = "builtin",
+        max_sessions: int | None = None,
+        min_tokens_per_layer: int = 0,
+    ) -> None:
+        self.config = config
+        self.pool = KVPool.from_config(config, min_tokens_per_layer=min_tokens_per_layer)
+        self.scheduler = Scheduler(
+            self.pool, make_allocator(allocator, self.pool.blocks_per_layer),
+            max_rows=config.max_rows, max_sessions=max_sessions,
+        )
+        self.metadata = MetadataBuilder(self.pool)
+        self.active: ActiveForward | None = None
+        self.generation = 0
+        self._standin_base = torch.zeros((), dtype=config.dtype, device=config.device)
+        binding.register_standin_storage(self._standin_base)
+        self.bucket_misses: list[Bucket] = []
+
+    # ---- binding and stand-ins ----------------------------------------------------------------
+    def bind(self, layers: Sequence[torch.nn.Module]) -> None:
+        """Tie layer i of this runtime to `layers[i]` (by its parameters' addresses)."""
+        binding.bind_layers(self, layers)
+
+    def standin(self, *shape: int) -> torch.Tensor:
+        """A dense-cache-shaped tensor that holds no memory; compiled sites never read it."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return self._standin_base.expand(*shape)
+
+    def is_standin(self, tensor: torch.Tensor) -> bool:
+        return binding.is_standin(tensor)
+
+    # ---- buckets ------------------------------------------------------------------------------
+    def bucket_for(self, rows: int, tokens: int, context: int) -> Bucket:
+        """The configured bucket of exactly this shape (rows and tokens are what the model computes)."""
+        wanted = Bucket(rows, tokens, context)
+        if not self.config.buckets:
+            return wanted  # no bucket list configured: every shape is its own bucket
+        if wanted in self.config.buckets:
+            return wanted
+        self.bucket_misses.append(wanted)
+        raise RequestError(
+            f"no configured bucket for rows={rows}, tokens={tokens}, context={context}; configured: "
+            f"{sorted(self.config.buckets)}. Pad the forward to a configured shape or add this bucket"
+        )
+
+    def hunyuan_prefix_capacity(self, prefix_lens: Sequence[int], target_len: int) -> int:
+        """The padded prefix capacity a request should use: the smallest configured one that fits."""
+        longest = max(prefix_lens)
+        if not self.config.buckets:
+            return longest
+        fits = sorted(
+            b.context for b in self.config.buckets
+            if b.rows == len(prefix_lens) and b.tokens == target_len and b.context >= longest
+        )
+        if not fits:
+            raise RequestError(
+                f"no configured step bucket with rows={len(prefix_lens)}, tokens={target_len} and context >= "
+                f"{longest}; add one (and its prefill bucket) to the config"
+            )
+        return fits[0]
+
+    # ---- forwards -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward(self, plan: ForwardPlan) -> Iterator[ActiveForward]:
+        """Build the plan's metadata once, run the body with it active, then commit or roll back."""
+        try:
+            if self.active is not None:
+                raise RequestError("a forward is already active on this runtime; forwards do not nest")
+            bucket = self.bucket_for(len(plan.rows), plan.tokens, plan.context)
+            meta = self.metadata.build(bucket, plan.rows, plan.key)
+        except BaseException:
+            self.scheduler.abort_forward(plan)
+            raise
+        self.generation += 1
+        self.active = ActiveForward(plan, bucket, meta, self.generation)
+        try:
+            yield self.active
+        except BaseException:
+            self.active = None
+            self.scheduler.abort_forward(plan)
+            raise
+        self.active = None
+        self.scheduler.finish_forward(plan)
+
+    def dreamzero_forward(self, session_id: str, *, commit: bool) -> contextlib.AbstractContextManager:
+        return self.forward(self.scheduler.plan_dreamzero(session_id, commit=commit))
+
+    def hunyuan_forward(self, request_id: str, *, phase: str, prefix_capacity: int) -> contextlib.AbstractContextManager:
+        return self.forward(self.scheduler.plan_hunyuan(request_id, phase=phase, prefix_capacity=prefix_capacity))
+
+    def require_active(self) -> ActiveForward:
+        if self.active is None:
+            raise RequestError(
+                "a paged attention site ran outside a forward: wrap the model call in "
+                "`with runtime.forward(plan):` (or a family helper such as runtime.dreamzero_forward)"
+            )
+        return self.active
+
+    def check_layout(self, expect: dict) -> None:
+        """A compiled site's idiom must agree with the active forward's plan (window, sink, prefix)."""
+        plan = self.require_active().plan
+        owner = self.scheduler.owners.get(plan.owner_id)
+        family = expect.get("family")
+        if owner is None or family is None:
+            return
+        if family != owner.family:
+            raise RequestError(
+                f"a {family} attention site ran inside a {owner.family} forward ({plan.owner_id!r}); "
+                "plan the forward with the matching family helper"
+            )
+        if family == "dreamzero":
+            spec = owner.spec
+            have = {"window_tokens": spec.window_tokens, "sink_tokens": spec.sink_tokens,
+                    "chunk_tokens": spec.chunk_tokens, "action_tokens": spec.action_tokens}
+            diff = {k: (expect[k], v) for k, v in have.items() if expect.get(k) != v}
+            if diff:
+                raise RequestError(
+                    f"the compiled DreamZero site and session {plan.owner_id!r} disagree on "
+                    + ", ".join(f"{k} (graph {g}, session {s})" for k, (g, s) in diff.items())
+                    + ": open the session with DreamZeroSpec.from_model_config(model.config)"
+                )
+
+    # ---- lifecycle shortcuts ------------------------------------------------------------------
+    def open_session(self, session_id: str, spec: DreamZeroSpec, rows: int = 2) -> None:
+        self.scheduler.open_session(session_id, spec, rows)
+
+    def reset_window(self, session_id: str) -> None:
+        self.scheduler.reset_window(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self.scheduler.close_session(session_id)
+
+    def admit_request(self, request_id: str, spec: HunyuanSpec) -> None:
+        self.scheduler.admit_request(request_id, spec)
+
+    def finish_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id)
+
+    def abort(self, owner_id: str) -> None:
+        self.scheduler.abort(owner_id)
+
+    def close(self) -> None:
+        binding.unbind_runtime(self)
+
+    # ---- introspection ------------------------------------------------------------------------
+    def state(self) -> dict:
+        """A comparable snapshot of everything admission and forwards may change."""
+        alloc = self.scheduler.allocator
+        return {
+            "owners": self.scheduler.owned_blocks(),
+            "num_free": alloc.num_free,
+            "finished": dict(self.scheduler.finished),
+            "versions": {oid: o.version for oid, o in self.scheduler.owners.items()},
+            "in_flight": self.scheduler.in_flight is not None,
+            "active": self.active is not None,
+        }

@@ -1,0 +1,268 @@
+"""Scheduler: windows, sinks, prefixes, capacity, bad input, and random lifecycles (hypothesis)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from paged_kv_compile import CapacityError, ConfigError, PagedKVConfig, RequestError
+from paged_kv_compile.runtime import PagedKVRuntime
+from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec
+
+B = 4
+DZ = DreamZeroSpec(frame_seqlen=8, chunk_frames=1, window_frames=4, sink_frames=0, action_tokens=3)
+DZ_SINK = DreamZeroSpec(frame_seqlen=8, chunk_frames=1, window_frames=4, sink_frames=1, action_tokens=3)
+
+
+def make_runtime(blocks: int = 64, max_sessions: int | None = None) -> PagedKVRuntime:
+    cfg = PagedKVConfig(num_layers=3, num_kv_heads=1, head_dim=4, block_size=B, blocks_per_layer=blocks,
+                        max_rows=2, scratch_tokens_per_row=32)
+    return PagedKVRuntime(cfg, max_sessions=max_sessions)
+
+
+def run_forward(rt: PagedKVRuntime, plan, fail: bool = False) -> None:
+    try:
+        with rt.forward(plan):
+            if fail:
+                raise RuntimeError("injected")
+    except RuntimeError as e:
+        if not fail or "injected" not in str(e):
+            raise
+
+
+def assert_ownership_consistent(rt: PagedKVRuntime) -> None:
+    owned = [b for rows in rt.scheduler.owned_blocks().values() for row in rows for b in row]
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert rt.scheduler.allocator.num_free + len(owned) == rt.pool.blocks_per_layer, "a block leaked"
+    for b in owned:
+        assert rt.scheduler.allocator.refcount(b) == 1
+
+
+# ---- DreamZero windows ---------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", [DZ, DZ_SINK], ids=["no-sink", "sink"])
+def test_dreamzero_window_matches_dense_slicing(spec):
+    """Visible history per forward equals what the dense cat/slice idiom keeps, chunk after chunk."""
+    rt = make_runtime()
+    rt.open_session("s", spec, rows=2)
+    committed: list[list[int]] = []  # logical chunks in commit order (as lists of block ids, row 0)
+    n, s, m = spec.chunk_tokens, spec.sink_tokens, spec.window_tokens
+    for chunk in range(8):
+        plan = rt.scheduler.plan_dreamzero("s", commit=True)
+        row = plan.rows[0]
+        hist_tokens = row.seq_len - n - spec.action_tokens
+        total = chunk * n
+        # dense: visible = H[:s] + H[s:][-(m - s - n):]
+        expect = min(total, s) + max(0, min(total - s, m - s - n)) if total > s else total
+        assert hist_tokens == expect
+        assert torch.equal(row.positions, torch.arange(hist_tokens, hist_tokens + n + spec.action_tokens))
+        assert torch.all(row.visible_end == row.seq_len)
+        run_forward(rt, plan)
+        committed.append(plan.new_blocks[0])
+        assert_ownership_consistent(rt)
+    kept = rt.scheduler.owned_blocks()["s"][0]
+    if spec.sink_frames:
+        assert kept[: s // B] == committed[0][: s // B], "the sink stays resident"
+    assert kept[-(n // B):] == committed[-1], "the newest chunk is kept"
+    rt.reset_window("s")
+    assert rt.scheduler.owned_blocks()["s"] == [[], []]
+    rt.close_session("s")
+    assert rt.scheduler.allocator.num_free == 64
+
+
+def test_denoise_writes_scratch_only_and_repeats_layout():
+    rt = make_runtime()
+    rt.open_session("s", DZ, rows=2)
+    run_forward(rt, rt.scheduler.plan_dreamzero("s", commit=True))
+    free = rt.scheduler.allocator.num_free
+    builds = rt.metadata.builds
+    for _ in range(3):
+        plan = rt.scheduler.plan_dreamzero("s", commit=False)
+        assert not plan.rows[0].managed[-(DZ.chunk_tokens // B) :].any(), "denoise K/V must go to scratch"
+        run_forward(rt, plan)
+    assert rt.scheduler.allocator.num_free == free
+    assert rt.metadata.builds == builds + 1, "identical denoise layouts are built once"
+
+
+def test_failed_commit_rolls_back():
+    rt = make_runtime()
+    rt.open_session("s", DZ, rows=2)
+    before = rt.state()
+    run_forward(rt, rt.scheduler.plan_dreamzero("s", commit=True), fail=True)
+    after = rt.state()
+    assert after == before
+
+
+# ---- HunyuanImage-3 requests -------------------------------------------------------------------------
+def test_hunyuan_layout_prefill_and_step():
+    rt = make_runtime()
+    spec = HunyuanSpec(prefix_lens=(5, 3), target_len=6, full_spans=((1, 5),))
+    rt.admit_request("r", spec)
+    assert [len(r) for r in rt.scheduler.owned_blocks()["r"]] == [2, 1]
+    plan = rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=8)
+    row1 = plan.rows[1]  # prefix 3, pad 5, target 6
+    assert row1.positions.tolist() == [0, 1, 2, -1, -1, -1, -1, -1, 3, 4, 5, 6, 7, 8]
+    assert row1.visible_end.tolist() == [1, 2, 3, 0, 0, 0, 0, 0, 4, 8, 8, 8, 8, 9]
+    assert row1.seq_len == 9
+    run_forward(rt, plan)
+    plan = rt.scheduler.plan_hunyuan("r", phase="step", prefix_capacity=8)
+    assert plan.rows[0].positions.tolist() == list(range(5, 11))
+    assert plan.rows[0].visible_end.tolist() == [6, 10, 10, 10, 10, 11]
+    run_forward(rt, plan)
+    rt.finish_request("r")
+    assert rt.scheduler.allocator.num_free == 64
+
+
+def test_hunyuan_step_before_prefill_is_refused():
+    rt = make_runtime()
+    rt.admit_request("r", HunyuanSpec(prefix_lens=(5,), target_len=6))
+    before = rt.state()
+    with pytest.raises(RequestError, match="not been prefilled"):
+        rt.scheduler.plan_hunyuan("r", phase="step", prefix_capacity=8)
+    assert rt.state() == before
+
+
+# ---- bad input: clear errors, nothing changed ------------------------------------------------------
+BAD_CASES = [
+    ("unknown id", lambda rt: rt.scheduler.plan_dreamzero("nope", commit=False), RequestError, "unknown id"),
+    ("finished id", lambda rt: rt.scheduler.plan_hunyuan("done", phase="step", prefix_capacity=8), RequestError,
+     "finished"),
+    ("reused id", lambda rt: rt.admit_request("done", HunyuanSpec((3,), 4)), RequestError, "already used"),
+    ("live id reused", lambda rt: rt.open_session("live", DZ), RequestError, "already live"),
+    ("closed session", lambda rt: rt.scheduler.plan_dreamzero("closed", commit=True), RequestError, "closed"),
+    ("too many rows", lambda rt: rt.open_session("x", DZ, rows=3), RequestError, "max_rows"),
+    ("window below chunk", lambda rt: rt.open_session("x", DreamZeroSpec(8, 3, 2)), ConfigError,
+     "smaller than a chunk"),
+    ("block size vs frame", lambda rt: rt.open_session("x", DreamZeroSpec(6, 1, 4)), ConfigError,
+     "does not divide frame_seqlen"),
+    ("larger than pool", lambda rt: rt.admit_request("x", HunyuanSpec((4 * 70,), 4)), CapacityError,
+     "can never fit"),
+    ("prefix capacity too small", lambda rt: rt.scheduler.plan_hunyuan("live_r", phase="prefill", prefix_capacity=2),
+     RequestError, "below the longest prompt"),
+    ("wrong family", lambda rt: rt.scheduler.plan_dreamzero("live_r", commit=True), RequestError, "not a dreamzero"),
+    ("target span too long", lambda rt: rt.admit_request("x", HunyuanSpec((3,), 200)), ConfigError, "scratch"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_bad_input_is_refused_without_change(case):
+    _, call, exc, text = case
+    rt = make_runtime()
+    rt.admit_request("done", HunyuanSpec((3,), 4))
+    rt.finish_request("done")
+    rt.open_session("live", DZ)
+    rt.open_session("closed", DZ)
+    rt.close_session("closed")
+    rt.admit_request("live_r", HunyuanSpec((5,), 4))
+    before = rt.state()
+    with pytest.raises(exc, match=text):
+        call(rt)
+    assert rt.state() == before
+
+
+def test_admission_refused_when_pool_full_leaves_state():
+    rt = make_runtime(blocks=6)
+    rt.admit_request("a", HunyuanSpec((12, 8), 4))  # 3 + 2 blocks
+    before = rt.state()
+    with pytest.raises(CapacityError, match="free"):
+        rt.admit_request("b", HunyuanSpec((4, 4), 4))  # needs 2, 1 free: neither row is admitted
+    assert rt.state() == before
+
+
+def test_lru_cap_evicts_least_recently_used_session():
+    rt = make_runtime(max_sessions=2)
+    for sid in ("a", "b"):
+        rt.open_session(sid, DZ)
+        run_forward(rt, rt.scheduler.plan_dreamzero(sid, commit=True))
+    run_forward(rt, rt.scheduler.plan_dreamzero("a", commit=False))  # "a" is now the most recent
+    rt.open_session("c", DZ)
+    assert set(rt.scheduler.owners) == {"a", "c"}
+    with pytest.raises(RequestError, match="evicted"):
+        rt.scheduler.plan_dreamzero("b", commit=False)
+    assert_ownership_consistent(rt)
+
+
+# ---- random lifecycles ---------------------------------------------------------------------------
+class Lifecycles(RuleBasedStateMachine):
+    """Random admit/forward/commit/abort/fail/evict/reset/finish: ownership stays exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.rt = make_runtime(blocks=24, max_sessions=3)
+        self.counter = 0
+
+    def _new_id(self) -> str:
+        self.counter += 1
+        return f"id{self.counter}"
+
+    def _refused(self, call) -> None:
+        before = self.rt.state()
+        try:
+            call()
+        except (CapacityError, RequestError, ConfigError):
+            assert self.rt.state() == before, "a refused call changed the state"
+
+    @rule(sink=st.booleans(), rows=st.integers(1, 2))
+    def open_session(self, sink, rows):
+        self._refused(lambda: self.rt.open_session(self._new_id(), DZ_SINK if sink else DZ, rows=rows))
+
+    @rule(prefixes=st.lists(st.integers(1, 40), min_size=1, max_size=2), target_len=st.integers(1, 12))
+    def admit(self, prefixes, target_len):
+        self._refused(lambda: self.rt.admit_request(self._new_id(), HunyuanSpec(tuple(prefixes), target_len)))
+
+    def _live(self, family):
+        return [o for o, v in self.rt.scheduler.owners.items() if v.family == family]
+
+    @precondition(lambda self: self._live("dreamzero"))
+    @rule(data=st.data(), commit=st.booleans(), fail=st.booleans())
+    def dreamzero_forward(self, data, commit, fail):
+        sid = data.draw(st.sampled_from(self._live("dreamzero")))
+        before = self.rt.state()
+        try:
+            plan = self.rt.scheduler.plan_dreamzero(sid, commit=commit)
+        except CapacityError:
+            assert self.rt.state() == before
+            return
+        run_forward(self.rt, plan, fail=fail)
+        if fail:
+            assert self.rt.state()["owners"] == before["owners"]
+
+    @precondition(lambda self: self._live("hunyuan_image3"))
+    @rule(data=st.data(), fail=st.booleans())
+    def hunyuan_forward(self, data, fail):
+        rid = data.draw(st.sampled_from(self._live("hunyuan_image3")))
+        owner = self.rt.scheduler.owners[rid]
+        phase = "step" if owner.prefilled else "prefill"
+        plan = self.rt.scheduler.plan_hunyuan(rid, phase=phase, prefix_capacity=max(owner.spec.prefix_lens))
+        run_forward(self.rt, plan, fail=fail)
+
+    @precondition(lambda self: self.rt.scheduler.owners)
+    @rule(data=st.data(), how=st.sampled_from(["abort", "finish", "reset"]))
+    def end(self, data, how):
+        oid = data.draw(st.sampled_from(list(self.rt.scheduler.owners)))
+        family = self.rt.scheduler.owners[oid].family
+        if how == "abort":
+            self.rt.abort(oid)
+        elif family == "dreamzero":
+            (self.rt.reset_window if how == "reset" else self.rt.close_session)(oid)
+        else:
+            self.rt.finish_request(oid)
+
+    @invariant()
+    def ownership_is_exact(self):
+        assert_ownership_consistent(self.rt)
+        assert self.rt.scheduler.in_flight is None and self.rt.active is None
+
+    def teardown(self):
+        for oid in list(self.rt.scheduler.owners):
+            self.rt.abort(oid)
+        assert self.rt.scheduler.allocator.num_free == self.rt.pool.blocks_per_layer, "free count back to baseline"
+        self.rt.close()
+
+
+TestLifecycles = Lifecycles.TestCase
+TestLifecycles.settings = settings(
+    max_examples=500, stateful_step_count=15, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
