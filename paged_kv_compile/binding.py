@@ -77,10 +77,8 @@ def register_standin_storage(tensor: torch.Tensor) -> None:
 
 
 def is_standin(value: object) -> bool:
-    """True for a registered zero-stride stand-in of a dense cache."""
+    """True for a view of a registered stand-in storage (see `PagedKVRuntime.standin`)."""
     if not isinstance(value, torch.Tensor) or value.device.type == "meta":
-        return False
-    if any(s != 0 for s in value.stride()):
         return False
     try:
         ref = _standin_storages.get(value.untyped_storage().data_ptr())

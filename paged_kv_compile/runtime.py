@@ -52,6 +52,7 @@ class PagedKVRuntime:
         self.generation = 0
         self._standin_base = torch.zeros((), dtype=config.dtype, device=config.device)
         binding.register_standin_storage(self._standin_base)
+        self._writable_standins: dict[tuple[int, ...], torch.Tensor] = {}
         self.bucket_misses: list[Bucket] = []
 
     # ---- binding and stand-ins ----------------------------------------------------------------
@@ -59,11 +60,24 @@ class PagedKVRuntime:
         """Tie layer i of this runtime to `layers[i]` (by its parameters' addresses)."""
         binding.bind_layers(self, layers)
 
-    def standin(self, *shape: int) -> torch.Tensor:
-        """A dense-cache-shaped tensor that holds no memory; compiled sites never read it."""
+    def standin(self, *shape: int, writable: bool = False) -> torch.Tensor:
+        """A dense-cache-shaped tensor that compiled graphs never read.
+
+        The default holds no memory (a zero-stride view). A cache the model writes into in place
+        (HunyuanImage-3's prefix store) cannot be zero-stride: dynamo refuses in-place writes into
+        overlapping memory. `writable=True` gives one real buffer per shape, shared by all layers; the
+        passes remove the writes, so compiled graphs neither read nor write it.
+        """
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        return self._standin_base.expand(*shape)
+        if not writable:
+            return self._standin_base.expand(*shape)
+        buf = self._writable_standins.get(shape)
+        if buf is None:
+            buf = torch.zeros(shape, dtype=self.config.dtype, device=self.config.device)
+            binding.register_standin_storage(buf)
+            self._writable_standins[shape] = buf
+        return buf
 
     def is_standin(self, tensor: torch.Tensor) -> bool:
         return binding.is_standin(tensor)

@@ -56,7 +56,7 @@ class DreamZeroSpec:
         return cls(
             frame_seqlen=cfg.frame_seqlen,
             chunk_frames=cfg.num_frame_per_block,
-            window_frames=cfg.local_attn_size,
+            window_frames=cfg.window_frames,
             sink_frames=cfg.sink_size,
             action_tokens=cfg.action_register_length,
         )

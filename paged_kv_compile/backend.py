@@ -1,0 +1,164 @@
+"""The `paged_kv` torch.compile backend.
+
+``torch.compile(block, backend="paged_kv", fullgraph=True, options={...})``. It rewrites a copy of
+dynamo's graph (passes/), appends the pool and the metadata as extra inputs, hands the graph to the
+inner compiler, and returns a callable that supplies those inputs for the layer that is calling,
+found from the site's projection weight (binding.py). With no cache stand-in among the inputs it is
+the inner compiler alone.
+
+Options (``options=`` of torch.compile; defaults come from the bound runtime's config):
+  kernel: "auto" | "reference" | "triton" | "flash_attn" | "npu"
+  inner_compiler: "inductor" | "aot_eager" | "eager"
+  strict: raise on a KV-cache site that cannot be rewritten (default: warn, then reject the graph)
+  dump_dir: write the graph before/after the passes and the pass report there (see debug.py)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from . import binding
+from .config import INNER_COMPILERS, KERNELS, Bucket
+from .errors import BindingError, ConfigError, RequestError
+from .passes.rewrite import PassResult, rewrite
+
+OPTION_NAMES = ("kernel", "inner_compiler", "strict", "dump_dir")
+
+#: Every pass result of this process, newest last (what `paged-kv dump` and the tests read).
+REPORTS: list[PassResult] = []
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """Copy dynamo's graph: dynamo still reads its own placeholders after the backend returns."""
+    graph = fx.Graph()
+    value_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, value_map)
+    graph.output(out)
+    for old, new in value_map.items():
+        if old.op == "placeholder":
+            new._dynamo_source = getattr(old, "_dynamo_source", None)
+        new.meta = copy.copy(old.meta)
+    new_gm = fx.GraphModule(gm, graph)
+    new_gm.meta = copy.copy(getattr(gm, "meta", {}))
+    for attr in ("_param_name_to_source",):
+        if hasattr(gm, attr):
+            setattr(new_gm, attr, getattr(gm, attr))
+    return new_gm
+
+
+def _inner_compile(name: str, gm: fx.GraphModule, example_inputs: list) -> Callable:
+    if name == "eager":
+        return gm.forward
+    if name == "aot_eager":
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def _resolve_options(options: dict | None, runtime) -> dict:
+    options = dict(options or {})
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise ConfigError(f"unknown paged_kv option(s) {sorted(unknown)}; valid: {', '.join(OPTION_NAMES)}")
+    cfg = runtime.config if runtime is not None else None
+    resolved = {
+        "kernel": options.get("kernel", cfg.kernel if cfg else "auto"),
+        "inner_compiler": options.get("inner_compiler", cfg.inner_compiler if cfg else "inductor"),
+        "strict": bool(options.get("strict", cfg.strict if cfg else False)),
+        "dump_dir": options.get("dump_dir", cfg.dump_dir if cfg else None),
+    }
+    if resolved["kernel"] not in KERNELS:
+        raise ConfigError(f"unknown kernel {resolved['kernel']!r}; choose one of {', '.join(KERNELS)}")
+    if resolved["inner_compiler"] not in INNER_COMPILERS:
+        raise ConfigError(
+            f"unknown inner_compiler {resolved['inner_compiler']!r}; choose one of {', '.join(INNER_COMPILERS)}"
+        )
+    return resolved
+
+
+def _runtime_of_inputs(example_inputs: list):
+    """The runtime bound to any parameter among the inputs (None when nothing is bound)."""
+    for value in example_inputs:
+        if isinstance(value, torch.nn.Parameter):
+            try:
+                return binding.resolve(value)[0]
+            except BindingError:
+                continue
+    return None
+
+
+def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_: Any) -> Callable:
+    """torch.compile backend: rewrite KV-cache attention into the paged op, then compile."""
+    runtime = _runtime_of_inputs(example_inputs)
+    opts = _resolve_options(options, runtime)
+    if not any(binding.is_standin(v) for v in example_inputs):
+        REPORTS.append(rewrite(gm, example_inputs, is_standin=binding.is_standin))
+        return _inner_compile(opts["inner_compiler"], gm, example_inputs)
+
+    from .debug import maybe_dump
+
+    new_gm = _copy_graph_module(gm)
+    before = new_gm.print_readable(print_output=False)
+    result = rewrite(new_gm, example_inputs, is_standin=binding.is_standin, kernel=opts["kernel"], strict=opts["strict"])
+    REPORTS.append(result)
+    maybe_dump(opts["dump_dir"], before, result)
+    if not result.changed:
+        return _inner_compile(opts["inner_compiler"], new_gm, example_inputs)
+    if runtime is None:
+        raise BindingError(
+            "this graph reads KV-cache stand-ins but its weights are bound to no runtime; call runtime.bind(layers) "
+            "before the first forward"
+        )
+    rows, tokens, context = result.shape
+    bucket = Bucket(rows, tokens, context)
+    meta = runtime.metadata.buffers(bucket)
+    extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
+    for site in result.sites:
+        views = meta.layers[binding.resolve(example_inputs[site.weight_input])[1]]
+        extras += [views.slot_mapping, views.block_table]
+    compiled = _inner_compile(opts["inner_compiler"], new_gm, list(example_inputs) + extras)
+    return _PagedCallable(compiled, result, bucket, tuple(runtime.pool.tensor.shape))
+
+
+class _PagedCallable:
+    """Appends the pool and the calling layer's metadata views to the compiled graph's inputs."""
+
+    def __init__(self, compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple) -> None:
+        self.compiled = compiled
+        self.weight_inputs = [s.weight_input for s in result.sites]
+        self.layer_keys = [s.layer_key for s in result.sites]
+        self.bucket = bucket
+        self.expect = result.expect
+        self.pool_shape = pool_shape
+
+    def __call__(self, *args):
+        runtime = None
+        views = []
+        for index, key in zip(self.weight_inputs, self.layer_keys):
+            site_runtime, layer = binding.resolve(args[index])
+            if runtime is not None and site_runtime is not runtime:
+                raise BindingError(f"the sites of one graph are bound to different runtimes (at {key})")
+            runtime = site_runtime
+            views.append(layer)
+        active = runtime.require_active()
+        if active.bucket != self.bucket:
+            raise RequestError(
+                f"this graph was compiled for bucket {self.bucket} but the active forward is bucket "
+                f"{active.bucket}: the model's inputs do not match the runtime's plan (stale metadata?)"
+            )
+        runtime.check_layout(self.expect)
+        if tuple(runtime.pool.tensor.shape) != self.pool_shape:
+            raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime")
+        meta = active.meta
+        extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
+        for layer in views:
+            lv = meta.layers[layer]
+            extras += [lv.slot_mapping, lv.block_table]
+        return self.compiled(*args, *extras)

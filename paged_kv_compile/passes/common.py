@@ -1,0 +1,260 @@
+"""Structural matching helpers shared by the family passes.
+
+The key idea: instead of matching text (``torch.cat`` vs ``torch.concat``, ``repeat_interleave`` vs
+``expand``+``reshape``), the chain of pure data-movement ops that feeds an attention input is
+*executed* on integer tag tensors, one unique tag per element of each leaf. The result says, for each
+element the attention reads, which leaf element it is. From that we read off, per key column, which
+tensor (a cache stand-in or a freshly computed K/V) and which sequence position it comes from, and
+verify that batch, heads (with GQA replication) and head_dim map exactly as the paged op assumes.
+Any idiom that computes the same layout is accepted; anything else is refused with a reason.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+
+_MOVE_FUNCTIONS = {
+    torch.cat, torch.concat, torch.concatenate, torch.stack, torch.transpose, torch.permute, torch.reshape,
+    torch.flatten, torch.unsqueeze, torch.squeeze, torch.repeat_interleave, torch.select, torch.narrow,
+    torch.swapaxes, torch.movedim, torch.clone,
+}
+_MOVE_METHODS = {
+    "transpose", "permute", "view", "reshape", "expand", "contiguous", "flatten", "unsqueeze", "squeeze",
+    "repeat_interleave", "narrow", "select", "clone", "swapaxes", "movedim", "__getitem__",
+}
+_TAG_SHIFT = 40
+_TAG_MASK = (1 << _TAG_SHIFT) - 1
+
+
+def example(node: fx.Node):
+    return node.meta.get("example_value")
+
+
+def is_tensor_node(node: object) -> bool:
+    return isinstance(node, fx.Node) and isinstance(example(node), torch.Tensor)
+
+
+def is_movement(node: fx.Node) -> bool:
+    """A node that only rearranges elements of tensors (no arithmetic)."""
+    if node.op == "call_function":
+        if node.target is operator.getitem:
+            return is_tensor_node(node.args[0])  # getitem on a tuple (unbind/split) is a leaf boundary
+        return node.target in _MOVE_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _MOVE_METHODS
+    return False
+
+
+def movement_leaves(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(leaves, movement nodes in topological order) of the data-movement subgraph ending at `node`."""
+    leaves: list[fx.Node] = []
+    moves: set[fx.Node] = set()
+    stack = [node]
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if is_movement(n):
+            moves.add(n)
+            stack.extend(a for a in n.all_input_nodes)
+        else:
+            leaves.append(n)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(leaves, key=order.__getitem__), sorted(moves, key=order.__getitem__)
+
+
+def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node]) -> torch.Tensor | None:
+    """Run the movement subgraph on tag tensors; None when it cannot be evaluated statically."""
+    values: dict[fx.Node, object] = {}
+    for i, leaf in enumerate(leaves):
+        ex = example(leaf)
+        if not isinstance(ex, torch.Tensor) or any(not isinstance(s, int) for s in ex.shape):
+            return None
+        tags = torch.arange(ex.numel(), dtype=torch.int64).view(tuple(ex.shape)) + ((i + 1) << _TAG_SHIFT)
+        values[leaf] = tags
+
+    def sub(a):
+        if isinstance(a, fx.Node):
+            if a not in values:
+                raise KeyError(a)
+            return values[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        if isinstance(a, slice):
+            return slice(sub(a.start), sub(a.stop), sub(a.step))
+        return a
+
+    try:
+        for n in moves:
+            args, kwargs = sub(n.args), sub(n.kwargs)
+            if n.op == "call_function":
+                values[n] = n.target(*args, **kwargs)
+            else:
+                method = "reshape" if n.target == "view" else n.target
+                values[n] = getattr(args[0], method)(*args[1:], **kwargs)
+    except (KeyError, RuntimeError, TypeError, IndexError, ValueError):
+        return None
+    out = values.get(node)
+    return out if isinstance(out, torch.Tensor) else None
+
+
+@dataclass
+class LeafUse:
+    """How one leaf feeds an attention input: its layout and the sequence positions read."""
+
+    node: fx.Node
+    shape: tuple[int, ...]  # the leaf read with heads split out, e.g. (B, S, H*D) read as (B, S, H, D)
+    seq_dim: int  # which dim of `shape` is the sequence
+    head_dim_index: int  # which dim is the head axis
+    kv_index: int | None  # for a leaf with a leading K/V axis (a (2, B, L, H, D) cache): which half
+
+
+@dataclass
+class Provenance:
+    """Per column of an attention input (B, H, L, D): the leaf and sequence position it reads."""
+
+    columns: list[tuple[fx.Node, int]]
+    uses: dict[fx.Node, LeafUse] = field(default_factory=dict)
+
+    def runs(self) -> list[tuple[fx.Node, list[int]]]:
+        """Consecutive columns grouped by leaf: [(leaf, [seq positions...]), ...]."""
+        out: list[tuple[fx.Node, list[int]]] = []
+        for leaf, pos in self.columns:
+            if out and out[-1][0] is leaf:
+                out[-1][1].append(pos)
+            else:
+                out.append((leaf, [pos]))
+        return out
+
+
+def _layouts(ndim: int) -> list[tuple[int | None, int, int, int, int]]:
+    """Candidate (kv, batch, seq, head, dim) axes of a leaf."""
+    if ndim == 4:
+        return [(None, 0, 1, 2, 3), (None, 0, 2, 1, 3)]
+    if ndim == 5:
+        return [(0, 1, 2, 3, 4), (0, 1, 3, 2, 4)]
+    return []
+
+
+def _candidates(shape: tuple[int, ...], head_dim: int):
+    """(shape to read the leaf as, axes) pairs: as is, or with a fused H*D last axis split in two."""
+    shapes = [shape]
+    if shape and shape[-1] % head_dim == 0 and shape[-1] != head_dim:
+        shapes.append(shape[:-1] + (shape[-1] // head_dim, head_dim))
+    return [(s, axes) for s in shapes for axes in _layouts(len(s))]
+
+
+def provenance(node: fx.Node) -> tuple[Provenance | None, str]:
+    """Where each column of the attention input `node` ((B, H, L, D)) comes from, or a refusal reason."""
+    leaves, moves = movement_leaves(node)
+    tags = _evaluate(node, leaves, moves)
+    if tags is None:
+        return None, "its data-movement chain could not be evaluated at static shapes"
+    if tags.dim() != 4:
+        return None, f"attention input has {tags.dim()} dims, expected (batch, heads, seq, head_dim)"
+    Bx, Hx, Lx, Dx = tags.shape
+    leaf_ids = tags >> _TAG_SHIFT
+    flat = tags & _TAG_MASK
+    if not bool((leaf_ids == leaf_ids[:1, :1, :, :1]).all()):
+        return None, "a key/value column mixes several tensors"
+    col_leaf = leaf_ids[0, 0, :, 0]
+    columns: list[tuple[fx.Node, int] | None] = [None] * Lx
+    uses: dict[fx.Node, LeafUse] = {}
+    b_idx = torch.arange(Bx).view(-1, 1, 1, 1)
+    d_idx = torch.arange(Dx).view(1, 1, 1, -1)
+    for lid in torch.unique(col_leaf).tolist():
+        leaf = leaves[lid - 1]
+        cols = torch.nonzero(col_leaf == lid).flatten()
+        sub = flat[:, :, cols, :]
+        found = None
+        for shape, (kv, b, s, h, d) in _candidates(tuple(example(leaf).shape), Dx):
+            if shape[b] != Bx or shape[d] != Dx or Hx % shape[h]:
+                continue
+            strides = [1] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                strides[i] = strides[i + 1] * shape[i + 1]
+            coords = [(sub // strides[i]) % shape[i] for i in range(len(shape))]
+            rep = Hx // shape[h]
+            h_idx = (torch.arange(Hx) // rep).view(1, -1, 1, 1)
+            ok = (
+                bool((coords[b] == b_idx).all())
+                and bool((coords[h] == h_idx).all())
+                and bool((coords[d] == d_idx).all())
+                and bool((coords[s] == coords[s][:1, :1, :, :1]).all())
+                and (kv is None or bool((coords[kv] == coords[kv].flatten()[0]).all()))
+            )
+            if ok:
+                kv_index = None if kv is None else int(coords[kv].flatten()[0])
+                found = LeafUse(leaf, shape, s, h, kv_index)
+                for j, c in enumerate(cols.tolist()):
+                    columns[c] = (leaf, int(coords[s][0, 0, j, 0]))
+                break
+        if found is None:
+            return None, (
+                f"{leaf.name} does not map batch/heads/head_dim the way the paged op reads them "
+                "(expected (B, S, H, D) or (B, H, S, D) leaves, GQA as head h -> kv head h // rep)"
+            )
+        uses[leaf] = found
+    return Provenance(columns, uses), ""
+
+
+def sdpa_args(node: fx.Node) -> dict:
+    """Normalize an SDPA call's arguments by name."""
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    out = dict(zip(names, node.args))
+    out.update(node.kwargs)
+    out.setdefault("attn_mask", None)
+    out.setdefault("dropout_p", 0.0)
+    out.setdefault("is_causal", False)
+    out.setdefault("scale", None)
+    out.setdefault("enable_gqa", False)
+    return out
+
+
+def find_parameter(start: list[fx.Node], params: set[fx.Node]) -> fx.Node | None:
+    """Nearest 2-D parameter placeholder upstream of `start` (breadth-first): the site's layer key."""
+    frontier, seen = list(start), set(start)
+    while frontier:
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                seen.add(a)
+                if a in params:
+                    return a
+                nxt.append(a)
+        frontier = nxt
+    return None
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    out, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in out:
+                out.add(a)
+                stack.append(a)
+    return out
+
+
+def to_bshd(graph: fx.Graph, use: LeafUse, start: int, stop: int) -> fx.Node:
+    """Insert (at the current insertion point) a (B, S, H, D) view of tokens [start, stop) of a leaf."""
+    node = use.node
+    if tuple(example(node).shape) != use.shape:
+        node = graph.call_method("reshape", (node, *use.shape))
+    if use.seq_dim == 2 and use.head_dim_index == 1:
+        node = graph.call_method("transpose", (node, 1, 2))
+    if (start, stop) != (0, use.shape[use.seq_dim]):
+        node = graph.call_function(operator.getitem, (node, (slice(None), slice(start, stop))))
+    return node

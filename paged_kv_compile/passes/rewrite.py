@@ -1,0 +1,215 @@
+"""Rewrite every KV-cache attention site of a dynamo graph into one `paged_kv::write_attend` call.
+
+Runs on a copy of dynamo's graph. For each SDPA node whose keys read a cache stand-in (or whose keys
+are stored into one), a family idiom must match; the site becomes ``write_attend(q, k_new, v_new,
+pool, slot_mapping, block_table, seq_lens, kv_visible_end)`` with the pool and metadata added as
+extra placeholders. Stores into stand-ins are dropped (the op writes the pool), returned caches become
+stand-ins again, and a graph that still reads a stand-in afterwards is an error: it would compute on
+zeros.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..errors import PassError
+from . import dreamzero, hunyuan_image3
+from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, to_bshd
+from .site import Match, Site, analyze, store_nodes
+
+FAMILIES = (dreamzero.match, hunyuan_image3.match)
+
+
+@dataclass
+class SiteReport:
+    """One attention site: what it is, which layer key it binds to, and what happened to it."""
+
+    node: str
+    pattern: str
+    layer_key: str | None
+    status: str  # "rewritten" | "dense" | "refused"
+    reason: str = ""
+
+
+@dataclass
+class RewrittenSite:
+    weight_input: int  # index of the layer-key parameter among the graph's inputs
+    layer_key: str
+
+
+@dataclass
+class PassResult:
+    graph_module: fx.GraphModule
+    reports: list[SiteReport]
+    sites: list[RewrittenSite] = field(default_factory=list)
+    expect: dict = field(default_factory=dict)
+    shape: tuple[int, int, int] | None = None  # (rows, tokens, context) the graph was compiled for
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.sites)
+
+
+def _source_name(node: fx.Node) -> str:
+    src = getattr(node, "_dynamo_source", None)
+    return src.name if src is not None and hasattr(src, "name") else node.name
+
+
+def _output_standin_replacements(graph: fx.Graph, standins: set[fx.Node]) -> set[fx.Node]:
+    """Graph outputs built from stand-ins (returned dense caches) become zero-stride stand-ins again.
+
+    Returns the nodes it added (a 0-d view of a stand-in, expanded): the only stand-in reads allowed.
+    """
+    out = next(n for n in graph.nodes if n.op == "output")
+    added: set[fx.Node] = set()
+
+    def replace(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(replace(x) for x in a)
+        if not isinstance(a, fx.Node) or a in standins:
+            return a
+        leaves, _ = movement_leaves(a)
+        hit = next((leaf for leaf in leaves if leaf in standins), None)
+        if hit is None:
+            return a
+        shape = tuple(example(a).shape)
+        with graph.inserting_before(out):
+            scalar = graph.call_function(operator.getitem, (hit, (0,) * example(hit).dim()))
+            expanded = graph.call_method("expand", (scalar, *shape))
+        added.update((scalar, expanded))
+        return expanded
+
+    out.args = replace(out.args)
+    return added
+
+
+def rewrite(
+    gm: fx.GraphModule,
+    example_inputs: list,
+    *,
+    is_standin,
+    kernel: str = "auto",
+    strict: bool = False,
+) -> PassResult:
+    """Rewrite `gm` (a copy the caller owns) in place; returns the report and the added inputs' roles."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    values = dict(zip(placeholders, example_inputs))
+    standins = {n for n, v in values.items() if is_standin(v)}
+    params = {n for n, v in values.items() if isinstance(v, torch.nn.Parameter) and v.dim() == 2}
+    sdpa_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+    reports: list[SiteReport] = []
+    if not standins:
+        reports = [SiteReport(n.name, "-", None, "dense", "no cache stand-in among the inputs") for n in sdpa_nodes]
+        return PassResult(gm, reports)
+
+    symbolic = [n.name for n, v in values.items() if isinstance(v, torch.SymInt)]
+    if symbolic:
+        raise PassError(
+            f"this graph has dynamic shapes ({', '.join(symbolic)}) and reads KV-cache stand-ins: paged sites are "
+            "compiled per fixed-shape bucket. Compile with torch.compile(..., dynamic=False)"
+        )
+    stores = store_nodes(graph, standins)
+    matched: list[tuple[Site, Match, fx.Node]] = []
+    for node in sdpa_nodes:
+        site = analyze(node, standins, stores)
+        if site is None:
+            reports.append(SiteReport(node.name, "-", None, "dense", "reads no cache stand-in (e.g. cross-attention)"))
+            continue
+        why = site if isinstance(site, str) else ""
+        match: Match | None = None
+        if not why:
+            reasons = []
+            for family in FAMILIES:
+                got = family(site)
+                if isinstance(got, Match):
+                    match = got
+                    break
+                reasons.append(f"{family.__module__.rsplit('.', 1)[-1]}: {got}")
+            why = "" if match else "; ".join(reasons)
+        weight = find_parameter([span.use.node for span in site.k_new], params) if match else None
+        if match and weight is None:
+            why = "no per-layer 2-D weight feeds its keys, so the layer cannot be identified at run time"
+            match = None
+        if match is None:
+            reports.append(SiteReport(node.name, "?", None, "refused", why))
+            msg = f"attention site {node.name} reads a KV-cache stand-in but cannot be rewritten: {why}"
+            if strict:
+                raise PassError(msg)
+            warnings.warn(msg + " (the graph will be rejected: a stand-in holds no data)", stacklevel=2)
+            continue
+        matched.append((site, match, weight))
+        reports.append(SiteReport(node.name, match.pattern, _source_name(weight), "rewritten"))
+
+    result = PassResult(gm, reports)
+    if matched:
+        shapes = set()
+        for site, match, _ in matched:
+            q = example(site.node)  # (B, H, T, D)
+            context = match.expect.get("window_tokens", match.expect.get("prefix_capacity", 0))
+            shapes.add((q.shape[0], q.shape[2], context))
+            if result.expect and result.expect != match.expect:
+                raise PassError(f"sites of one graph disagree on their layout: {result.expect} vs {match.expect}")
+            result.expect = match.expect
+        if len(shapes) != 1:
+            raise PassError(f"sites of one graph have different shapes {sorted(shapes)}; compile blocks separately")
+        result.shape = shapes.pop()
+        _insert_ops(graph, matched, placeholders, kernel, result)
+
+    allowed = _output_standin_replacements(graph, standins)
+    graph.eliminate_dead_code()
+    leftovers = [u for s in standins for u in s.users if u not in allowed]
+    if leftovers:
+        raise PassError(
+            "the graph still reads a KV-cache stand-in after rewriting ("
+            + ", ".join(f"{u.name}: {u.op} {getattr(u.target, '__name__', u.target)}" for u in leftovers)
+            + "); a stand-in holds no data, so this would compute on zeros. Use a supported attention idiom "
+            "(see the pass report) or run this model densely"
+        )
+    gm.recompile()
+    return result
+
+
+def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: PassResult) -> None:
+    last = placeholders[-1]
+    with graph.inserting_after(last):
+        extra_nodes = []
+        for name in ["paged_kv_pool", "paged_kv_seq_lens", "paged_kv_visible_end"] + [
+            f"paged_kv_{kind}_{i}" for i in range(len(matched)) for kind in ("slot_mapping", "block_table")
+        ]:
+            extra_nodes.append(graph.placeholder(name))
+    # graph.placeholder inserts each after `last` in reverse order: put them in call order.
+    for node in extra_nodes:
+        node._dynamo_source = None
+    for prev, node in zip([last] + extra_nodes[:-1], extra_nodes):
+        prev.append(node)
+    pool, seq_lens, visible = extra_nodes[:3]
+    index_of = {n: i for i, n in enumerate(placeholders)}
+    for i, (site, match, weight) in enumerate(matched):
+        slot, table = extra_nodes[3 + 2 * i], extra_nodes[4 + 2 * i]
+        node = site.node
+        with graph.inserting_before(node):
+            q, k, v = (_concat(graph, [to_bshd(graph, s.use, s.start, s.stop) for s in uses]) for uses in (site.q_new, site.k_new, site.v_new))
+            d = example(node).shape[-1]
+            scale = site.args["scale"] if site.args["scale"] is not None else float(d) ** -0.5
+            out = graph.call_function(
+                torch.ops.paged_kv.write_attend.default,
+                (q, k, v, pool, slot, table, seq_lens, visible, float(scale), kernel, match.visibility),
+            )
+            replacement = graph.call_method("transpose", (out, 1, 2))
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        for store in site.stores:
+            if store.graph is graph:
+                store.replace_all_uses_with(store.args[0])
+                graph.erase_node(store)
+        result.sites.append(RewrittenSite(index_of[weight], _source_name(weight)))
+
+
+def _concat(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
+    return nodes[0] if len(nodes) == 1 else graph.call_function(torch.cat, (nodes, 1))

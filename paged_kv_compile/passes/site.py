@@ -1,0 +1,149 @@
+"""An attention site read structurally: what its query, keys and values are made of.
+
+`analyze` turns one SDPA node into a `Site` (or says why it cannot be read): the keys split into a
+run of history columns from a cache stand-in followed by the freshly computed tokens, the values
+alike, the query made of the same new tokens, and any store of those keys into a stand-in.
+The family modules decide from a `Site` whether it is their idiom (`Match`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .common import LeafUse, Provenance, ancestors, example, movement_leaves, provenance, sdpa_args
+
+STORE_METHODS = {"copy_", "__setitem__", "index_put_", "index_copy_", "fill_", "zero_", "masked_fill_"}
+
+
+@dataclass
+class Match:
+    """A family idiom recognized at a site; `expect` is checked against the runtime's plan at call time.
+
+    visibility: the op's hint for vendor kernels: "full" when every query sees its whole row.
+    """
+
+    pattern: str
+    expect: dict
+    visibility: str = "general"
+
+
+@dataclass
+class NewSpan:
+    """Freshly computed tokens [start, stop) along the sequence axis of one leaf."""
+
+    use: LeafUse
+    start: int
+    stop: int
+
+
+@dataclass
+class Site:
+    node: fx.Node
+    args: dict
+    q_new: list[NewSpan]
+    k_new: list[NewSpan]
+    v_new: list[NewSpan]
+    new_sizes: list[int]
+    history_positions: list[int]
+    k_kv_index: int | None
+    v_kv_index: int | None
+    standin_ndim: int
+    standin_seq_len: int
+    stores: list[fx.Node] = field(default_factory=list)
+    store_seq_len: int = 0
+
+
+def store_nodes(graph: fx.Graph, standins: set[fx.Node]) -> list[fx.Node]:
+    """In-place writes whose destination is (a view of) a cache stand-in."""
+    out = []
+    for n in graph.nodes:
+        is_store = (n.op == "call_method" and n.target in STORE_METHODS) or (
+            n.op == "call_function" and getattr(n.target, "__name__", "") in {"setitem", "copy_", "index_put_"}
+        )
+        if is_store and n.args and isinstance(n.args[0], fx.Node):
+            leaves, _ = movement_leaves(n.args[0])
+            if any(leaf in standins for leaf in leaves):
+                out.append(n)
+    return out
+
+
+def _split(prov: Provenance, standins: set[fx.Node]) -> tuple[list[int], list[tuple[fx.Node, list[int]]], str]:
+    """History positions (stand-in columns first) and the runs of new tokens after them."""
+    runs = prov.runs()
+    history: list[int] = []
+    new: list[tuple[fx.Node, list[int]]] = []
+    for leaf, positions in runs:
+        if leaf in standins:
+            if new:
+                return [], [], "cache history columns come after new tokens"
+            history.extend(positions)
+        else:
+            new.append((leaf, positions))
+    for leaf, positions in new:
+        if positions != list(range(positions[0], positions[0] + len(positions))):
+            return [], [], f"new tokens of {leaf.name} are not read as one contiguous, ordered span"
+    if len({id(leaf) for leaf, _ in new}) != len(new):
+        return [], [], "a new key tensor is read in several pieces"
+    return history, new, ""
+
+
+def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node]) -> Site | str | None:
+    """A `Site`; a refusal reason (str); or None when the site touches no cache at all."""
+    args = sdpa_args(node)
+    if args["dropout_p"] not in (0, 0.0):
+        return "attention dropout is not supported by the paged op"
+    provs = {}
+    for name in ("query", "key", "value"):
+        prov, why = provenance(args[name])
+        if prov is None:
+            touches = any(leaf in standins for leaf in movement_leaves(args[name])[0])
+            return f"{name}: {why}" if touches or name != "query" else None
+        provs[name] = prov
+    k_hist, k_new, why_k = _split(provs["key"], standins)
+    v_hist, v_new, why_v = _split(provs["value"], standins)
+    q_hist, q_new, why_q = _split(provs["query"], standins)
+    reads_cache = bool(k_hist or v_hist)
+    new_nodes = {leaf for leaf, _ in k_new + v_new}
+    my_stores = [s for s in stores if new_nodes & ancestors(s)]
+    if not reads_cache and not my_stores:
+        return None
+    for why in (why_k, why_v, why_q):
+        if why:
+            return why
+    if q_hist:
+        return "the query reads a cache stand-in"
+    sizes = [len(p) for _, p in k_new]
+    if not sizes:
+        return "the keys contain no newly computed tokens"
+    if sum(len(p) for _, p in v_new) != sum(sizes) or sum(len(p) for _, p in q_new) != sum(sizes):
+        return "query, keys and values do not carry the same number of new tokens"
+    if k_hist != v_hist:
+        return "keys and values read different history positions"
+    standin_leaves = {leaf for leaf, _ in provs["key"].columns if leaf in standins}
+    standin = next(iter(standin_leaves), None)
+    k_kv = provs["key"].uses[standin].kv_index if standin is not None else None
+    v_standins = {leaf for leaf, _ in provs["value"].columns if leaf in standins}
+    v_kv = provs["value"].uses[next(iter(v_standins))].kv_index if v_standins else None
+    ndim = example(standin).dim() if standin is not None else 0
+    seq_len = example(standin).shape[provs["key"].uses[standin].seq_dim] if standin is not None else 0
+    store_len = 0
+    if my_stores:
+        dest = example(my_stores[0].args[0])
+        store_len = dest.shape[1] if dest is not None and dest.dim() >= 2 else 0
+    return Site(
+        node=node,
+        args=args,
+        q_new=[NewSpan(provs["query"].uses[leaf], p[0], p[-1] + 1) for leaf, p in q_new],
+        k_new=[NewSpan(provs["key"].uses[leaf], p[0], p[-1] + 1) for leaf, p in k_new],
+        v_new=[NewSpan(provs["value"].uses[leaf], p[0], p[-1] + 1) for leaf, p in v_new],
+        new_sizes=sizes,
+        history_positions=k_hist,
+        k_kv_index=k_kv,
+        v_kv_index=v_kv,
+        standin_ndim=ndim,
+        standin_seq_len=seq_len,
+        stores=my_stores,
+        store_seq_len=store_len,
+    )

@@ -1,0 +1,43 @@
+"""Shared test helpers: compiling blocks regionally with a counting paged_kv backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_kv_compile.backend import REPORTS, paged_kv_backend
+
+HOST_SYNC_TARGETS = {"item", "cpu", "tolist", "numpy", "_local_scalar_dense"}
+
+
+@dataclass
+class CountingBackend:
+    """A paged_kv backend that counts compiled frames and keeps their pass results."""
+
+    options: dict = field(default_factory=dict)
+    frames: int = 0
+    results: list = field(default_factory=list)
+
+    def __call__(self, gm, example_inputs):
+        self.frames += 1
+        n = len(REPORTS)
+        fn = paged_kv_backend(gm, example_inputs, options=self.options)
+        self.results.extend(REPORTS[n:])
+        return fn
+
+
+def compile_blocks(blocks: torch.nn.ModuleList, backend) -> None:
+    """Regional compilation, the usual way to compile DiTs: each block on its own, fullgraph."""
+    for block in blocks:
+        block.compile(backend=backend, fullgraph=True, dynamic=False)
+
+
+def host_syncs(gm: torch.fx.GraphModule) -> list[str]:
+    """Nodes of a graph that would force a device-to-host sync."""
+    out = []
+    for node in gm.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        if str(name).split(".")[-1] in HOST_SYNC_TARGETS:
+            out.append(node.format_node())
+    return out
