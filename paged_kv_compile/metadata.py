@@ -50,34 +50,59 @@ class LayerViews:
 
 
 class BucketMetadata:
-    """Persistent buffers of one shape bucket, for all layers."""
+    """Persistent buffers of one shape bucket, for all layers.
 
-    def __init__(self, bucket: Bucket, pool: KVPool) -> None:
+    The host stages only what is the same in every layer: layer 0's slots and table plus a mask of
+    which entries are managed (per-layer) blocks. One copy moves that to the device, where two
+    broadcast ops expand it to every layer: ``slots[l] = slots0 + managed * base_l * B``.
+    """
+
+    def __init__(self, bucket: Bucket, pool: KVPool, device: torch.device | None = None) -> None:
         self.bucket = bucket
         L, R, T = pool.num_layers, bucket.rows, bucket.tokens
         M = bucket.table_width(pool.block_size)
         self.width = M
-        shapes = [((L, R, T), torch.int64), ((L, R, M), torch.int32), ((R,), torch.int32), ((R, T), torch.int32)]
-        device = pool.tensor.device
-        nbytes = _buffer_bytes(shapes)
-        self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        pin = device.type == "cuda"
-        self.host_buffer = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self.slot_mapping, self.block_table, self.seq_lens, self.kv_visible_end = _carve(self.device_buffer, shapes)
-        self._host = _carve(self.host_buffer, shapes)
+        device = device if device is not None else pool.tensor.device
+        staged = [((R, T), torch.int64), ((R, T), torch.int64), ((R, M), torch.int32), ((R, M), torch.int32),
+                  ((R,), torch.int32), ((R, T), torch.int32)]
+        expanded = [((L, R, T), torch.int64), ((L, R, M), torch.int32)]
+        nbytes = _buffer_bytes(staged)
+        self.device_buffer = torch.zeros(nbytes + _buffer_bytes(expanded), dtype=torch.uint8, device=device)
+        self.host_buffer = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._staged_device = self.device_buffer[:nbytes]
+        (self._slot0, self._slot_managed, self._table0, self._table_managed, self.seq_lens,
+         self.kv_visible_end) = _carve(self._staged_device, staged)
+        self.slot_mapping, self.block_table = _carve(self.device_buffer[nbytes:], expanded)
+        self._host = _carve(self.host_buffer, staged)
+        self._slot_base = (pool.layer_bases * pool.block_size).view(L, 1, 1).to(device)
+        self._block_base = pool.layer_bases.view(L, 1, 1).to(device=device, dtype=torch.int32)
         self.layers = [LayerViews(self.slot_mapping[l], self.block_table[l]) for l in range(L)]
         self.last_key: tuple = ()
         self._copy_done: torch.cuda.Event | None = None
         self.fill_with_padding(pool)
 
     def fill_with_padding(self, pool: KVPool) -> None:
-        """A valid all-padding state: nothing written, nothing visible (used before the first forward)."""
-        slot, table, seq, vis = self._host
-        slot.fill_(-1)
-        table.fill_(pool.pad_block)
-        seq.zero_()
-        vis.zero_()
-        self.device_buffer.copy_(self.host_buffer)
+        """A valid all-padding state: nothing written, nothing visible (before the first forward, warm-up)."""
+        slot0, slot_managed, table0, table_managed, seq, vis = self._host
+        slot0.fill_(-1)
+        table0.fill_(pool.pad_block)
+        for t in (slot_managed, table_managed, seq, vis):
+            t.zero_()
+        self.upload()
+        self.last_key = ()
+
+    def upload(self) -> None:
+        """The forward's one host-to-device copy, then the per-layer expansion on the device."""
+        if self._copy_done is not None:  # the previous copy must have left the staging buffer
+            self._copy_done.synchronize()
+        self._staged_device.copy_(self.host_buffer, non_blocking=True)
+        if self._staged_device.is_cuda:
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
+        torch.mul(self._slot_base, self._slot_managed, out=self.slot_mapping)
+        self.slot_mapping.add_(self._slot0)
+        torch.mul(self._block_base, self._table_managed, out=self.block_table)
+        self.block_table.add_(self._table0)
 
     def addresses(self) -> tuple[int, ...]:
         return (self.slot_mapping.data_ptr(), self.block_table.data_ptr(), self.seq_lens.data_ptr(),
@@ -87,8 +112,10 @@ class BucketMetadata:
 class MetadataBuilder:
     """Builds a forward's metadata for all layers at once, vectorized, and counts the copies."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, device: torch.device | str | None = None) -> None:
+        """`device` defaults to the pool's; a "meta" pool with CPU metadata measures host cost alone."""
         self.pool = pool
+        self.device = torch.device(device) if device is not None else pool.tensor.device
         self.buckets: dict[Bucket, BucketMetadata] = {}
         self.builds = 0
         self.h2d_copies = 0
@@ -96,7 +123,7 @@ class MetadataBuilder:
     def buffers(self, bucket: Bucket) -> BucketMetadata:
         meta = self.buckets.get(bucket)
         if meta is None:
-            meta = self.buckets[bucket] = BucketMetadata(bucket, self.pool)
+            meta = self.buckets[bucket] = BucketMetadata(bucket, self.pool, self.device)
         return meta
 
     def build(self, bucket: Bucket, rows: list[RowLayout], key: tuple = ()) -> BucketMetadata:
@@ -105,37 +132,27 @@ class MetadataBuilder:
         if key and key == meta.last_key:
             return meta
         self._check_fits(bucket, meta.width, rows)
-        pool, B = self.pool, self.pool.block_size
-        R, T, M = bucket.rows, bucket.tokens, meta.width
-        table = torch.full((R, M), pool.pad_block, dtype=torch.int64)
-        managed = torch.zeros((R, M), dtype=torch.bool)
-        positions = torch.full((R, T), -1, dtype=torch.int64)
-        visible = torch.zeros((R, T), dtype=torch.int64)
-        seq = torch.zeros(R, dtype=torch.int64)
+        B = self.pool.block_size
+        slot0, slot_managed, table0, table_managed, seq, vis = meta._host
+        slot0.fill_(-1)
+        slot_managed.zero_()
+        table0.fill_(self.pool.pad_block)
+        table_managed.zero_()
+        seq.zero_()
+        vis.zero_()
         for r, row in enumerate(rows):
-            table[r, : row.num_blocks] = row.table
-            managed[r, : row.num_blocks] = row.managed
-            positions[r, : row.num_tokens] = row.positions
-            visible[r, : row.num_tokens] = row.visible_end
+            m, t = row.num_blocks, row.num_tokens
+            table0[r, :m] = row.table
+            table_managed[r, :m] = row.managed
+            valid = row.positions >= 0
+            safe = row.positions.clamp(min=0)
+            index = safe // B
+            slots = row.table[index] * B + safe % B
+            slot0[r, :t] = torch.where(valid, slots, -1)
+            slot_managed[r, :t] = row.managed[index] & valid
+            vis[r, :t] = row.visible_end
             seq[r] = row.seq_len
-        # Every layer at once: absolute ids = layer base + local id for managed entries.
-        layer_tables = table + managed * pool.layer_bases.view(-1, 1, 1)  # [L, R, M]
-        valid = positions >= 0
-        safe = positions.clamp(min=0)
-        blocks = torch.gather(layer_tables, 2, (safe // B).expand(pool.num_layers, R, T))
-        slots = torch.where(valid, blocks * B + safe % B, -1)
-
-        if meta._copy_done is not None:  # the previous copy must have left the staging buffer
-            meta._copy_done.synchronize()
-        h_slot, h_table, h_seq, h_vis = meta._host
-        h_slot.copy_(slots)
-        h_table.copy_(layer_tables)
-        h_seq.copy_(seq)
-        h_vis.copy_(visible)
-        meta.device_buffer.copy_(meta.host_buffer, non_blocking=True)
-        if meta.device_buffer.is_cuda:
-            meta._copy_done = torch.cuda.Event()
-            meta._copy_done.record()
+        meta.upload()
         self.h2d_copies += 1
         self.builds += 1
         meta.last_key = key
