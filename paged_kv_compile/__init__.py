@@ -20,6 +20,7 @@ from .errors import (
     RequestError,
 )
 from .pool import KVPool
+from . import ops as _ops  # registers torch.ops.paged_kv
 
 __all__ = [
     "__version__",

@@ -1,0 +1,89 @@
+"""The reference kernel (pure torch, every device) and the helpers the vendor adapters share.
+
+It is the oracle the other kernels are tested against. Attention gathers whole blocks of the row's
+table (`index_select` on the block axis), which DESIGN.md measured faster than per-token gathers, and
+runs SDPA under a boolean mask built from `kv_visible_end` and `seq_lens`. Nothing here reads a
+value on the host, so the same code is safe under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Copy key/value ``[R, T, Hkv, D]`` into the pool's flat slots; tokens with slot -1 write nothing.
+
+    Without a host sync: a -1 token is redirected to the first valid token of the call and writes that
+    token's own row again (duplicates of identical values are harmless). If no token is valid, every
+    token writes slot 0's current content back onto itself.
+    """
+    _, N, B, H, D = kv_pool.shape
+    flat = kv_pool.view(2, N * B, H, D)
+    slots = slot_mapping.reshape(-1)
+    valid = slots >= 0
+    first = torch.argmax(valid.to(torch.int32))  # first valid token, 0 when there is none
+    src = torch.where(valid, torch.arange(slots.numel(), device=slots.device), first)
+    target = slots.index_select(0, src)
+    any_valid = (target >= 0).view(-1, 1, 1)
+    target = target.clamp(min=0)
+    for half, new in ((flat[0], key), (flat[1], value)):
+        rows = new.reshape(-1, H, D).index_select(0, src)
+        half.index_copy_(0, target, torch.where(any_valid, rows, half.index_select(0, target)))
+
+
+def visible_mask(seq_lens: torch.Tensor, kv_visible_end: torch.Tensor, length: int) -> torch.Tensor:
+    """Boolean ``[R, T, length]``: query (r, t) sees logical key p iff p < min(visible_end, seq_len)."""
+    end = torch.minimum(kv_visible_end, seq_lens.view(-1, 1))
+    return torch.arange(length, device=end.device) < end.unsqueeze(-1)
+
+
+def zero_padded_queries(attn: torch.Tensor, seq_lens: torch.Tensor, kv_visible_end: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``[R, T, Hq, D]`` copy of `attn` with exact zeros where a query sees no key.
+
+    Uses masked_fill, not a multiply, so NaN a vendor kernel may give a fully masked row never leaks.
+    """
+    empty = torch.minimum(kv_visible_end, seq_lens.view(-1, 1)) <= 0
+    out = attn.new_empty(attn.shape)  # contiguous: the fake kernel promises these strides
+    return out.copy_(attn).masked_fill_(empty[:, :, None, None], 0)
+
+
+def attend(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_visible_end: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``query [R, T, Hq, D]`` over each row's blocks; zeros for queries that see nothing."""
+    R, _, Hq, D = query.shape
+    _, _, B, Hkv, _ = kv_pool.shape
+    M = block_table.shape[1]
+    kv = kv_pool.index_select(1, block_table.reshape(-1)).view(2, R, M * B, Hkv, D).transpose(2, 3)
+    mask = visible_mask(seq_lens, kv_visible_end, M * B)
+    # A query that sees nothing gets key 0 as a dummy (softmax stays finite); its output is zeroed below.
+    mask[:, :, 0] |= ~mask.any(-1)
+    attn = F.scaled_dot_product_attention(
+        query.transpose(1, 2), kv[0], kv[1], attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=Hq != Hkv
+    )
+    return zero_padded_queries(attn.transpose(1, 2), seq_lens, kv_visible_end)
+
+
+def run(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_visible_end: torch.Tensor,
+    scale: float,
+    visibility: str,
+) -> torch.Tensor:
+    """Kernel entry: write (when key is given), then attend. `visibility` is only a hint; unused here."""
+    if key is not None:
+        write_kv(kv_pool, key, value, slot_mapping)
+    return attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale)

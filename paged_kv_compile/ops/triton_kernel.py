@@ -1,0 +1,173 @@
+"""The fused Triton kernels: a slot store for the new K/V, and paged attention with online softmax.
+
+Attention runs one program per (row, query tile, kv head). A program holds the tile's queries of all
+query heads that share the kv head (GQA: head h reads kv head h // (Hq // Hkv)), so each K/V tile is
+loaded once per group. It walks the row's logical keys in tiles of BLOCK_N positions, each position
+resolved through the block table (any block size works), up to the largest visible end in the tile.
+Queries that see nothing keep a zero accumulator and store exact zeros. No value is read on the host.
+Dots use input_precision="ieee": fp32 pools then match the reference to 1e-5 instead of TF32's 1e-3;
+it changes nothing for fp16/bf16 operands.
+
+Imported only when kernel="triton" is selected. On CPU it needs TRITON_INTERPRET=1 before this
+module is first imported (the interpreter is chosen when the kernels are decorated).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from ..errors import KernelUnavailableError
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, Pool, Slots,
+    T, half_stride, slot_stride, pool_h_stride,
+    s_kr, s_kt, s_kh, s_kd,
+    s_vr, s_vt, s_vh, s_vd,
+    s_sr, s_st,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    r = (token // T).to(tl.int64)
+    t = (token % T).to(tl.int64)
+    slot = tl.load(Slots + r * s_sr + t * s_st)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < H) & (d < D) & (slot >= 0)
+    dst = Pool + slot * slot_stride + h * pool_h_stride + d
+    k = tl.load(K + r * s_kr + t * s_kt + h * s_kh + d * s_kd, mask=mask)
+    v = tl.load(V + r * s_vr + t * s_vt + h * s_vh + d * s_vd, mask=mask)
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + half_stride, v, mask=mask)
+
+
+@triton.jit
+def _attend_kernel(
+    Q, Pool, Out, Table, SeqLens, VisEnd, scale,
+    T, M, half_stride, slot_stride, pool_h_stride,
+    s_qr, s_qt, s_qh, s_qd,
+    s_or, s_ot, s_oh,
+    s_tr, s_vr, s_vt,
+    B: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tiles = tl.cdiv(T, BLOCK_T)
+    r = (pid // tiles).to(tl.int64)
+    i = tl.arange(0, BLOCK_M)
+    t = (pid % tiles) * BLOCK_T + i // G_PAD
+    g = i % G_PAD
+    h = kvh * G + g
+    row_ok = (t < T) & (g < G)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(Q + r * s_qr + t[:, None] * s_qt + h[:, None] * s_qh + d[None, :] * s_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    seq = tl.load(SeqLens + r)
+    end = tl.load(VisEnd + r * s_vr + t * s_vt, mask=row_ok, other=0)
+    end = tl.minimum(end, seq)
+    kv_end = tl.minimum(tl.max(end, 0), M * B)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        p = start + tl.arange(0, BLOCK_N)
+        p_ok = p < kv_end
+        block = tl.load(Table + r * s_tr + p // B, mask=p_ok, other=0).to(tl.int64)
+        addr = (block * B + p % B)[:, None] * slot_stride + kvh * pool_h_stride + d[None, :]
+        kv_mask = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(Pool + addr, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(p[None, :] < end[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+        alpha = tl.exp(m_i - m_safe)
+        probs = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(probs, 1)
+        v = tl.load(Pool + half_stride + addr, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + r * s_or + t[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and not isinstance(_attend_kernel, InterpretedFunction):
+        raise KernelUnavailableError(
+            "kernel='triton' on CPU tensors needs TRITON_INTERPRET=1 set before paged_kv_compile.ops.triton_kernel "
+            "is first imported; set it at process start or use kernel='reference'"
+        )
+
+
+def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store key/value ``[R, T, Hkv, D]`` at their slots (any strides); slot -1 stores nothing."""
+    _check_device(kv_pool)
+    R, T, H, D = key.shape
+    if R * T == 0:
+        return
+    s = kv_pool.stride()
+    _store_kv_kernel[(R * T,)](
+        key, value, kv_pool, slot_mapping,
+        T, s[0], s[2], s[3],
+        *key.stride(), *value.stride(), *slot_mapping.stride(),
+        H=H, D=D, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+    )
+
+
+def attend(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_visible_end: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Paged attention of ``query [R, T, Hq, D]``; returns a contiguous ``[R, T, Hq, D]`` tensor."""
+    _check_device(query)
+    R, T, Hq, D = query.shape
+    _, _, B, Hkv, _ = kv_pool.shape
+    out = query.new_empty(query.shape)
+    if out.numel() == 0:
+        return out
+    G = Hq // Hkv
+    G_PAD = triton.next_power_of_2(G)
+    # tl.dot wants tiles of at least 16 rows/cols on GPUs; a tile holds BLOCK_T tokens x G_PAD heads.
+    BLOCK_T = max(min(triton.next_power_of_2(T), 64 // G_PAD), 16 // G_PAD, 1)
+    s = kv_pool.stride()
+    grid = (R * triton.cdiv(T, BLOCK_T), Hkv)
+    _attend_kernel[grid](
+        query, kv_pool, out, block_table, seq_lens, kv_visible_end, scale,
+        T, block_table.shape[1], s[0], s[2], s[3],
+        *query.stride(), *out.stride()[:3],
+        block_table.stride(0), *kv_visible_end.stride(),
+        B=B, G=G, G_PAD=G_PAD, D=D, BLOCK_T=BLOCK_T, BLOCK_N=32,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+    )
+    return out
+
+
+def run(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_visible_end: torch.Tensor,
+    scale: float,
+    visibility: str,
+) -> torch.Tensor:
+    """Kernel entry: store (when key is given), then attend; both launches stay on the device."""
+    if key is not None:
+        write_kv(kv_pool, key, value, slot_mapping)
+    return attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale)

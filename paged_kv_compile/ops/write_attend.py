@@ -1,0 +1,276 @@
+"""The ``paged_kv::write_attend`` and ``paged_kv::attend`` custom ops: schema, fake kernel, checks, dispatch.
+
+``write_attend`` mutates exactly one argument, the stacked all-layer pool, so Inductor re-inplaces it
+instead of cloning the pool (DESIGN.md, "One op, one mutated pool"). ``attend`` is the read-only twin
+for static regions. Kernels live in sibling modules and are imported only when selected: importing
+this module pulls in neither triton nor any vendor package.
+
+``visibility`` is a hint about the ``kv_visible_end`` pattern that vendor kernels need and cannot
+check without a host sync: "full" (every query that sees anything sees [0, seq_len)), "causal"
+(bottom-right causal: query t sees [0, seq_len - T + t + 1)), or "general" (anything). The reference
+and triton kernels read ``kv_visible_end`` and ignore the hint; flash_attn and npu trust it, so a wrong
+hint on their devices gives wrong attention. With CPU tensors and ``CHECK_VALUES`` it is verified.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from ..config import KERNELS
+from ..errors import KernelUnavailableError, OpInputError
+from . import flash_attn, npu
+
+#: Value-range checks read tensors on the host. They run only when the inputs are on the CPU; a caller
+#: that wants no host work even there (benchmarks) sets this to False.
+CHECK_VALUES = True
+
+VISIBILITIES = ("general", "full", "causal")
+
+_LAYOUTS = {
+    "query": (4, "[R, T, Hq, D]"),
+    "key": (4, "[R, T, Hkv, D]"),
+    "value": (4, "[R, T, Hkv, D]"),
+    "kv_pool": (5, "[2, N, B, Hkv, D]"),
+    "slot_mapping": (2, "[R, T]"),
+    "block_table": (2, "[R, M]"),
+    "seq_lens": (1, "[R]"),
+    "kv_visible_end": (2, "[R, T]"),
+}
+_INT_DTYPES = {
+    "slot_mapping": torch.int64, "block_table": torch.int32, "seq_lens": torch.int32, "kv_visible_end": torch.int32,
+}
+
+
+def validate_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_visible_end: torch.Tensor,
+    kernel: str = "auto",
+    visibility: str = "general",
+) -> None:
+    """Shape, dtype, device and option checks: no host sync, so they also run on fake tensors.
+
+    ``key``, ``value`` and ``slot_mapping`` are None for the read-only ``attend``.
+    """
+    if kernel not in KERNELS:
+        raise OpInputError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if visibility not in VISIBILITIES:
+        raise OpInputError(f"unknown visibility {visibility!r}; choose one of {', '.join(VISIBILITIES)}")
+    args = {
+        "query": query, "key": key, "value": value, "kv_pool": kv_pool, "slot_mapping": slot_mapping,
+        "block_table": block_table, "seq_lens": seq_lens, "kv_visible_end": kv_visible_end,
+    }
+    args = {name: t for name, t in args.items() if t is not None}
+    for name, t in args.items():
+        rank, layout = _LAYOUTS[name]
+        if t.dim() != rank:
+            raise OpInputError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
+    if not query.dtype.is_floating_point:
+        raise OpInputError(f"query must be a floating dtype, got {query.dtype}")
+    for name in ("key", "value", "kv_pool"):
+        if name in args and args[name].dtype != query.dtype:
+            raise OpInputError(
+                f"{name} is {args[name].dtype} but query is {query.dtype}; query, key, value and kv_pool must "
+                "share one float dtype: cast them to the pool's dtype"
+            )
+    for name, dtype in _INT_DTYPES.items():
+        if name in args and args[name].dtype != dtype:
+            raise OpInputError(f"{name} must be {dtype}, got {args[name].dtype}; convert it with .to({dtype})")
+    for name, t in args.items():
+        if t.device != query.device:
+            raise OpInputError(
+                f"{name} is on {t.device} but query is on {query.device}; move every op input to one device"
+            )
+    _check_shapes(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end)
+
+
+def _check_shapes(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end) -> None:
+    R, T, Hq, D = query.shape
+    two, _, _, Hkv, pool_d = kv_pool.shape
+    if two != 2:
+        raise OpInputError(f"kv_pool's first dim must be 2 (K, V), got shape {tuple(kv_pool.shape)}")
+    if not kv_pool.is_contiguous():
+        raise OpInputError(
+            "kv_pool must be contiguous: the op addresses it as flat slots; pass the KVPool tensor itself"
+        )
+    if D != pool_d:
+        raise OpInputError(
+            f"head_dim mismatch: query has D={D}, kv_pool has D={pool_d}; both must use the model's head_dim"
+        )
+    if Hq % Hkv:
+        raise OpInputError(
+            f"query heads Hq={Hq} are not a multiple of the pool's kv heads Hkv={Hkv} (GQA needs Hq % Hkv == 0)"
+        )
+    for name, t in (("key", key), ("value", value)):
+        if t is not None and tuple(t.shape) != (R, T, Hkv, D):
+            raise OpInputError(
+                f"{name} has shape {tuple(t.shape)}, expected [R, T, Hkv, D] = {(R, T, Hkv, D)} from query and "
+                "kv_pool (pool Hkv/D must match the key's)"
+            )
+    expected = {"slot_mapping": (R, T), "kv_visible_end": (R, T), "seq_lens": (R,)}
+    for name, t in (("slot_mapping", slot_mapping), ("kv_visible_end", kv_visible_end), ("seq_lens", seq_lens)):
+        if t is not None and tuple(t.shape) != expected[name]:
+            raise OpInputError(f"{name} has shape {tuple(t.shape)}, expected {expected[name]} (R, T from query)")
+    if block_table.shape[0] != R or block_table.shape[1] < 1:
+        raise OpInputError(
+            f"block_table has shape {tuple(block_table.shape)}, expected [R={R}, M>=1]; pad unused entries with a "
+            "valid block id such as the pool's pad block"
+        )
+
+
+def check_values(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_visible_end: torch.Tensor,
+    visibility: str = "general",
+) -> None:
+    """Range checks on the metadata's values; they read tensors on the host (CPU use only)."""
+    _, N, B, _, _ = kv_pool.shape
+    M, T = block_table.shape[1], query.shape[1]
+    if slot_mapping is not None:
+        _first_bad("slot_mapping", slot_mapping, (slot_mapping < -1) | (slot_mapping >= N * B),
+                   f"outside [-1, N*B={N * B}): a slot is block * block_size + offset into the pool, "
+                   "-1 means do not write")
+        written = slot_mapping[slot_mapping >= 0]
+        if written.unique().numel() != written.numel():
+            dup = written.sort().values
+            dup = dup[1:][dup[1:] == dup[:-1]][0].item()
+            raise OpInputError(f"slot_mapping writes slot {dup} twice; every new token needs its own slot")
+    _first_bad("block_table", block_table, (block_table < 0) | (block_table >= N),
+               f"outside [0, N={N}): pad unused entries with a valid id such as the pad block {N - 1}")
+    _first_bad("seq_lens", seq_lens, (seq_lens < 0) | (seq_lens > M * B),
+               f"outside [0, M*B={M * B}], the block table's capacity: widen block_table or shorten the row")
+    seq = seq_lens.view(-1, 1)
+    _first_bad("kv_visible_end", kv_visible_end, (kv_visible_end < 0) | (kv_visible_end > seq),
+               "outside [0, seq_lens[r]]: a query can see only the row's valid keys (0 for padded queries)")
+    if visibility != "general":
+        t = torch.arange(T, dtype=seq.dtype)
+        want = seq.expand(-1, T) if visibility == "full" else seq - T + t + 1
+        _first_bad("kv_visible_end", kv_visible_end, (kv_visible_end > 0) & (kv_visible_end != want),
+                   f"not what the visibility={visibility!r} hint promises; pass visibility='general'")
+
+
+def _first_bad(name: str, t: torch.Tensor, bad: torch.Tensor, why: str) -> None:
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise OpInputError(f"{name}{list(index)} = {int(t[index])} is {why}")
+
+
+@functools.cache
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def _triton_unavailable_reason(device: torch.device) -> str | None:
+    if not _installed("triton"):
+        return "kernel='triton' needs the triton package, which is not installed: pip install triton"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (
+            "kernel='triton' on CPU tensors needs TRITON_INTERPRET=1 set before the first call; "
+            "or use kernel='reference'"
+        )
+    if device.type not in ("cpu", "cuda"):
+        return f"kernel='triton' runs on CUDA tensors (or CPU under TRITON_INTERPRET=1), got {device.type}"
+    return None
+
+
+def unavailable_reason(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visibility: str) -> str | None:
+    """Why `kernel` cannot run these inputs here (missing package, device, page size, layout), or None."""
+    if kernel == "reference":
+        return None
+    if kernel == "triton":
+        return _triton_unavailable_reason(query.device)
+    if kernel == "flash_attn":
+        return flash_attn.unavailable_reason(query, kv_pool, visibility)
+    return npu.unavailable_reason(query, kv_pool, visibility)
+
+
+def resolve_kernel(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visibility: str = "general") -> str:
+    """The concrete kernel for `kernel` ("auto" picks the best usable one); raises KernelUnavailableError."""
+    if kernel == "auto":
+        preference = {"cuda": ("flash_attn", "triton"), "npu": ("npu",)}.get(query.device.type, ())
+        for name in preference:
+            if unavailable_reason(name, query, kv_pool, visibility) is None:
+                return name
+        return "reference"
+    reason = unavailable_reason(kernel, query, kv_pool, visibility)
+    if reason is not None:
+        raise KernelUnavailableError(reason)
+    return kernel
+
+
+def _kernel_module(name: str) -> ModuleType:
+    modules = {"reference": "reference", "triton": "triton_kernel", "flash_attn": "flash_attn", "npu": "npu"}
+    return importlib.import_module(f"{__package__}.{modules[name]}")
+
+
+def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility):
+    validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility)
+    name = resolve_kernel(kernel, query, kv_pool, visibility)
+    if CHECK_VALUES and query.device.type == "cpu":
+        check_values(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility)
+    return _kernel_module(name).run(
+        query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, visibility
+    )
+
+
+@torch.library.custom_op("paged_kv::write_attend", mutates_args=("kv_pool",))
+def write_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_visible_end: torch.Tensor,
+    scale: float,
+    kernel: str = "auto",
+    visibility: str = "general",
+) -> torch.Tensor:
+    """Write key/value at their slots (skipping -1), then attend each query over its row's block table."""
+    return _run(
+        query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility
+    )
+
+
+@write_attend.register_fake
+def _write_attend_fake(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale,
+                       kernel="auto", visibility="general"):
+    validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility)
+    return query.new_empty(query.shape)
+
+
+@torch.library.custom_op("paged_kv::attend", mutates_args=())
+def attend(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_visible_end: torch.Tensor,
+    scale: float,
+    kernel: str = "auto",
+    visibility: str = "general",
+) -> torch.Tensor:
+    """Read-only twin of write_attend for static regions: attend without writing."""
+    return _run(query, None, None, kv_pool, None, block_table, seq_lens, kv_visible_end, scale, kernel, visibility)
+
+
+@attend.register_fake
+def _attend_fake(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, kernel="auto", visibility="general"):
+    validate_inputs(query, None, None, kv_pool, None, block_table, seq_lens, kv_visible_end, kernel, visibility)
+    return query.new_empty(query.shape)

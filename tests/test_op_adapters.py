@@ -1,0 +1,232 @@
+"""Kernel selection and the vendor adapters, driven through fake flash_attn / torch_npu modules.
+
+Each fake computes attention in torch from exactly the arguments it receives, so a wrong layout,
+length or table in the adapter shows up as a wrong result. Nothing vendor-specific is installed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import paged_kv_compile  # noqa: F401  (registers torch.ops.paged_kv)
+from paged_kv_compile.errors import KernelUnavailableError, OpInputError
+from paged_kv_compile.ops import flash_attn as fa
+from paged_kv_compile.ops import npu
+from paged_kv_compile.ops import resolve_kernel
+
+from _opcases import dense_oracle, expected_pool, make_case
+
+FLASH_MODULES = ("flash_attn_interface", "flash_attn", "vllm.vllm_flash_attn")
+
+
+@pytest.fixture
+def no_vendor_modules(monkeypatch):
+    """Every vendor import fails, whatever is installed; fakes are added per test."""
+    for name in FLASH_MODULES + ("torch_npu",):
+        monkeypatch.setitem(sys.modules, name, None)
+    fa.load_module.cache_clear()
+    npu.load_module.cache_clear()
+    yield monkeypatch
+    fa.load_module.cache_clear()
+    npu.load_module.cache_clear()
+
+
+def _paged_attention(q, k_cache, v_cache, table, seq_lens, scale, allowed_fn, empty_value):
+    """Reference math on paged caches ``[N, B, Hkv, D]``; allowed_fn(r, L) gives the [T, L] mask."""
+    R, T, Hq, _ = q.shape
+    B, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for r in range(R):
+        L = int(seq_lens[r])
+        p = torch.arange(L)
+        blocks = table[r].long()[p // B]
+        k = k_cache[blocks, p % B].float().repeat_interleave(Hq // Hkv, 1)
+        v = v_cache[blocks, p % B].float().repeat_interleave(Hq // Hkv, 1)
+        allowed = allowed_fn(r, L)
+        s = torch.einsum("thd,lhd->htl", q[r].float(), k) * scale
+        probs = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+        o = torch.einsum("htl,lhd->thd", probs, v)
+        out[r] = torch.where(allowed.any(-1)[:, None, None], o, torch.tensor(empty_value))
+    return out.to(q.dtype)
+
+
+def _fa_mask(T, causal):
+    """flash-attn's masks: all keys, or bottom-right causal (query t sees keys j <= t + L - T)."""
+    if causal:
+        return lambda r, L: torch.arange(L) <= torch.arange(T)[:, None] + L - T
+    return lambda r, L: torch.ones(T, L, dtype=torch.bool)
+
+
+def _fake_kvcache_module(name, table_kw, calls):
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None,
+                                causal=False, **kw):
+        table = kw.pop(table_kw)
+        assert not kw and k is None and v is None, "the adapter writes K/V itself and passes nothing else"
+        assert table.dtype == cache_seqlens.dtype == torch.int32 and q.is_contiguous()
+        calls.append(dict(k_cache=k_cache, v_cache=v_cache, causal=causal))
+        mask = _fa_mask(q.shape[1], causal)
+        return _paged_attention(q, k_cache, v_cache, table, cache_seqlens, softmax_scale, mask, 0.0)
+
+    module = types.ModuleType(name)
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    return module
+
+
+def _fake_vllm_module(calls):
+    def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, block_table=None,
+                               softmax_scale=None, causal=False, **kw):
+        assert not kw and q.dim() == 3 and block_table.dtype == seqused_k.dtype == torch.int32
+        T = max_seqlen_q
+        R = cu_seqlens_q.numel() - 1
+        assert torch.equal(cu_seqlens_q, torch.arange(0, (R + 1) * T, T, dtype=torch.int32))
+        assert max_seqlen_k == block_table.shape[1] * k.shape[1]
+        calls.append(dict(k_cache=k, v_cache=v, causal=causal))
+        q4 = q.view(R, T, *q.shape[1:])
+        out = _paged_attention(q4, k, v, block_table, seqused_k, softmax_scale, _fa_mask(T, causal), 0.0)
+        return out.view(R * T, *q.shape[1:])
+
+    module = types.ModuleType("vllm.vllm_flash_attn")
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
+def _fake_flash(flavor: str, calls: list) -> tuple[str, types.ModuleType]:
+    if flavor == "vllm":
+        return "vllm.vllm_flash_attn", _fake_vllm_module(calls)
+    name, kw = {"fa2": ("flash_attn", "block_table"), "fa3": ("flash_attn_interface", "page_table")}[flavor]
+    return name, _fake_kvcache_module(name, kw, calls)
+
+
+def _case(visibility: str, block_size: int, dtype=torch.bfloat16):
+    modes = {"full": ["full", "padded", "full"], "causal": ["causal", "causal", "padded"]}[visibility]
+    return make_case(seed=31, hkv=2, ratio=2, block_size=block_size, tokens=4, prefixes=[5, 3, 2], new_counts=[2, 4, 0],
+                     modes=modes, right_aligned=True, layout="transposed", dtype=dtype)
+
+
+@pytest.mark.parametrize("visibility", ["full", "causal"])
+@pytest.mark.parametrize("flavor, block_size", [("fa2", 256), ("fa3", 4), ("vllm", 3)])
+def test_flash_attn_adapter_passes_the_pool_table_and_lengths(no_vendor_modules, flavor, block_size, visibility):
+    calls: list = []
+    name, module = _fake_flash(flavor, calls)
+    no_vendor_modules.setitem(sys.modules, name, module)
+    no_vendor_modules.setattr(fa, "DEVICE_TYPES", ("cuda", "cpu"))
+    case = _case(visibility, block_size)
+    before = case.pool.clone()
+    out = torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn", visibility=visibility)
+    assert len(calls) == 1 and calls[0]["causal"] == (visibility == "causal")
+    assert calls[0]["k_cache"].data_ptr() == case.pool[0].data_ptr(), "k_cache is the pool's K half, not a copy"
+    assert calls[0]["v_cache"].data_ptr() == case.pool[1].data_ptr()
+    assert torch.equal(case.pool, expected_pool(case, before)), "new K/V written at their slots first"
+    torch.testing.assert_close(out.float(), dense_oracle(case), atol=1e-2, rtol=0)
+    empty = case.kv_visible_end <= 0
+    assert bool((out[empty] == 0).all()), "padded queries are zeroed even where flash-attn's mask sees keys"
+
+
+def test_flash_attn_2_page_size_rule(no_vendor_modules):
+    no_vendor_modules.setitem(sys.modules, "flash_attn", _fake_kvcache_module("flash_attn", "block_table", []))
+    no_vendor_modules.setattr(fa, "DEVICE_TYPES", ("cuda", "cpu"))
+    case = _case("full", block_size=4)
+    before = case.pool.clone()
+    with pytest.raises(KernelUnavailableError, match=r"block_size % 256 == 0, got block_size=4"):
+        torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn", visibility="full")
+    assert torch.equal(case.pool, before)
+
+
+def test_flash_attn_refuses_layouts_it_cannot_express(no_vendor_modules):
+    fa3 = _fake_kvcache_module("flash_attn_interface", "page_table", [])
+    no_vendor_modules.setitem(sys.modules, "flash_attn_interface", fa3)
+    no_vendor_modules.setattr(fa, "DEVICE_TYPES", ("cuda", "cpu"))
+    case = _case("full", block_size=4)
+    with pytest.raises(KernelUnavailableError, match=r"not expressible with flash-attn.*kernel='triton'"):
+        torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn")  # visibility="general"
+    with pytest.raises(KernelUnavailableError, match=r"float16/bfloat16, got torch.float32"):
+        fp32 = _case("full", block_size=4, dtype=torch.float32)
+        torch.ops.paged_kv.write_attend(*fp32.args(), fp32.scale, "flash_attn", visibility="full")
+
+
+def test_flash_attn_missing_package_or_device_is_named(no_vendor_modules):
+    case = _case("full", block_size=4)
+    with pytest.raises(KernelUnavailableError, match=r"flash_attn.*runs on CUDA tensors, got cpu"):
+        torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn", visibility="full")
+    no_vendor_modules.setattr(fa, "DEVICE_TYPES", ("cuda", "cpu"))
+    with pytest.raises(KernelUnavailableError, match=r"needs flash_attn .*none is importable"):
+        torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn", visibility="full")
+
+
+def _fake_torch_npu(calls):
+    def npu_fused_infer_attention_score(query, key, value, *, atten_mask=None, block_table=None,
+                                        actual_seq_lengths_kv=None, num_heads=1, scale=1.0, input_layout="BSH",
+                                        num_key_value_heads=0, block_size=0, **kw):
+        assert not kw and input_layout == "BSND" and query.is_contiguous()
+        assert isinstance(actual_seq_lengths_kv, list) and all(type(n) is int for n in actual_seq_lengths_kv)
+        R, T, Hq, D = query.shape
+        assert Hq == num_heads and key.dim() == 3 and key.shape[1] == block_size
+        assert key.shape[2] == num_key_value_heads * D and block_table.dtype == torch.int32
+        calls.append(dict(mask=atten_mask, lengths=actual_seq_lengths_kv))
+        k = key.view(key.shape[0], block_size, num_key_value_heads, D)
+        v = value.view(k.shape)
+        if atten_mask is None:
+            allowed = lambda r, L: torch.ones(T, L, dtype=torch.bool)  # noqa: E731
+        else:
+            allowed = lambda r, L: ~atten_mask[r, 0, :, :L]  # noqa: E731  (True = masked out)
+        # NaN for fully masked rows: the adapter must zero padded queries without multiplying.
+        out = _paged_attention(query, k, v, block_table, actual_seq_lengths_kv, scale, allowed, float("nan"))
+        return out, torch.zeros(())
+
+    module = types.ModuleType("torch_npu")
+    module.npu_fused_infer_attention_score = npu_fused_infer_attention_score
+    return module
+
+
+@pytest.mark.parametrize("visibility", ["general", "full"])
+def test_npu_adapter_passes_bsnd_caches_host_lengths_and_mask(no_vendor_modules, visibility):
+    calls: list = []
+    no_vendor_modules.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
+    no_vendor_modules.setattr(npu, "DEVICE_TYPES", ("npu", "cpu"))
+    if visibility == "general":
+        case = make_case(seed=41, hkv=1, ratio=4, block_size=3, tokens=3, prefixes=[4, 0], new_counts=[3, 0],
+                         modes=["random", "padded"], layout="sliced", dtype=torch.float16)
+    else:
+        case = _case("full", block_size=4, dtype=torch.float16)
+    before = case.pool.clone()
+    out = torch.ops.paged_kv.write_attend(*case.args(), case.scale, "npu", visibility=visibility)
+    assert calls[0]["lengths"] == case.seq_lens.tolist()
+    assert (calls[0]["mask"] is None) == (visibility == "full")
+    assert torch.equal(case.pool, expected_pool(case, before))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), dense_oracle(case), atol=2e-3, rtol=0)
+
+
+def test_npu_missing_package_is_named(no_vendor_modules):
+    no_vendor_modules.setattr(npu, "DEVICE_TYPES", ("npu", "cpu"))
+    case = _case("full", block_size=4, dtype=torch.float16)
+    with pytest.raises(KernelUnavailableError, match=r"needs torch_npu"):
+        torch.ops.paged_kv.write_attend(*case.args(), case.scale, "npu")
+
+
+def test_kernel_selection(monkeypatch):
+    case = _case("full", block_size=4, dtype=torch.float32)
+    with pytest.raises(OpInputError, match=r"unknown kernel 'cudnn'; choose one of auto, reference"):
+        torch.ops.paged_kv.write_attend(*case.args(), case.scale, "cudnn")
+    assert resolve_kernel("auto", case.query, case.pool) == "reference"
+    ref_case = _case("full", block_size=4, dtype=torch.float32)
+    auto = torch.ops.paged_kv.write_attend(*case.args(), case.scale)  # kernel="auto"
+    assert torch.equal(auto, torch.ops.paged_kv.write_attend(*ref_case.args(), ref_case.scale, "reference"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(KernelUnavailableError, match=r"TRITON_INTERPRET=1"):
+        resolve_kernel("triton", case.query, case.pool)
+
+
+def test_importing_the_package_imports_no_kernel_package():
+    code = (
+        "import sys, paged_kv_compile, torch; assert hasattr(torch.ops.paged_kv, 'write_attend'); "
+        "print(sorted(m for m in ('triton', 'flash_attn', 'flash_attn_interface', 'torch_npu', 'vllm') "
+        "if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

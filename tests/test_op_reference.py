@@ -1,0 +1,158 @@
+"""The reference kernel against a dense oracle, opcheck of both ops, and rejected inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import paged_kv_compile  # noqa: F401  (registers torch.ops.paged_kv)
+from paged_kv_compile.errors import OpInputError
+from paged_kv_compile.ops import write_attend as wa
+
+from _opcases import dense_oracle, expected_pool, make_case
+
+write_attend = torch.ops.paged_kv.write_attend
+attend = torch.ops.paged_kv.attend
+
+
+@st.composite
+def geometries(draw) -> dict:
+    rows = draw(st.integers(1, 3))
+    tokens = draw(st.integers(1, 5))
+    return dict(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        hkv=draw(st.integers(1, 2)),
+        ratio=draw(st.sampled_from([1, 2, 4])),
+        head_dim=draw(st.sampled_from([4, 8])),
+        block_size=draw(st.sampled_from([1, 3, 4, 8])),
+        tokens=tokens,
+        prefixes=draw(st.lists(st.integers(0, 11), min_size=rows, max_size=rows)),
+        new_counts=draw(st.lists(st.integers(0, tokens), min_size=rows, max_size=rows)),
+        modes=draw(st.lists(st.sampled_from(["full", "causal", "random", "padded"]), min_size=rows, max_size=rows)),
+        right_aligned=draw(st.booleans()),
+        extra_width=draw(st.integers(0, 2)),
+        pad_random=draw(st.booleans()),
+        layout=draw(st.sampled_from(["contiguous", "transposed", "sliced"])),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(geometries())
+def test_reference_matches_dense_oracle_and_writes_only_its_slots(geometry):
+    case = make_case(**geometry)
+    before = case.pool.clone()
+    out = write_attend(*case.args(), case.scale, "reference")
+    assert out.shape == case.query.shape and out.is_contiguous()
+    torch.testing.assert_close(out, dense_oracle(case), atol=1e-5, rtol=0)
+    assert torch.equal(case.pool, expected_pool(case, before)), "written slots must hold the new K/V, others untouched"
+    empty = torch.minimum(case.kv_visible_end, case.seq_lens.view(-1, 1)) <= 0
+    assert bool((out[empty] == 0).all()), "queries that see nothing give exact zeros"
+    again = attend(case.query, case.pool, case.block_table, case.seq_lens, case.kv_visible_end, case.scale, "reference")
+    assert torch.equal(again, out), "attend reads what write_attend wrote"
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        dict(seed=0, hkv=2, ratio=2, block_size=4, tokens=3, prefixes=[5, 2], new_counts=[3, 1],
+             modes=["causal", "random"]),
+        dict(seed=1, hkv=1, ratio=4, block_size=3, tokens=2, prefixes=[0, 4], new_counts=[0, 2],
+             modes=["padded", "full"], layout="transposed"),
+    ],
+)
+def test_opcheck(geometry):
+    case = make_case(**geometry)
+    torch.library.opcheck(write_attend.default, (*case.args(), case.scale), {"kernel": "reference"})
+    read_args = (case.query, case.pool, case.block_table, case.seq_lens, case.kv_visible_end, case.scale)
+    torch.library.opcheck(attend.default, read_args, {"kernel": "reference"})
+
+
+_ARG_NAMES = ("query", "key", "value", "pool", "slot_mapping", "block_table", "seq_lens", "kv_visible_end")
+
+
+def _base():
+    return make_case(seed=3, hkv=2, ratio=2, head_dim=8, block_size=4, tokens=3, prefixes=[5, 2],
+                     new_counts=[3, 2], modes=["causal", "full"], extra_width=1, pad_random=False)
+
+
+NB = 6 * 4  # the base case's pool has N=6 blocks of B=4 slots; its table is M=3 wide (12 slots)
+
+BAD_INPUTS = [
+    # (id, the argument to change, how, the message pattern)
+    ("query rank", "query", lambda t: t[..., 0], r"query must have rank 4"),
+    ("key rank", "key", lambda t: t[0], r"key must have rank 4"),
+    ("pool rank", "pool", lambda t: t[0], r"kv_pool must have rank 5"),
+    ("slot_mapping rank", "slot_mapping", lambda t: t[0], r"slot_mapping must have rank 2"),
+    ("block_table rank", "block_table", lambda t: t[0], r"block_table must have rank 2"),
+    ("seq_lens rank", "seq_lens", lambda t: t[None], r"seq_lens must have rank 1"),
+    ("visible_end rank", "kv_visible_end", lambda t: t[0], r"kv_visible_end must have rank 2"),
+    ("integer query", "query", lambda t: t.int(), r"query must be a floating dtype"),
+    ("key dtype", "key", lambda t: t.double(), r"key is torch.float64 but query is torch.float32"),
+    ("pool dtype", "pool", lambda t: t.half(), r"kv_pool is torch.float16 but query"),
+    ("slot_mapping dtype", "slot_mapping", lambda t: t.int(), r"slot_mapping must be torch.int64"),
+    ("block_table dtype", "block_table", lambda t: t.long(), r"block_table must be torch.int32"),
+    ("seq_lens dtype", "seq_lens", lambda t: t.long(), r"seq_lens must be torch.int32"),
+    ("visible_end dtype", "kv_visible_end", lambda t: t.long(), r"kv_visible_end must be torch.int32"),
+    ("pool device", "pool", lambda t: t.to("meta"), r"kv_pool is on meta but query is on cpu"),
+    ("key device", "key", lambda t: t.to("meta"), r"key is on meta but query is on cpu"),
+    ("heads not a multiple", "query", lambda t: t[:, :, :3], r"Hq=3 are not a multiple of the pool's kv heads Hkv=2"),
+    ("head_dim", "query", lambda t: t[..., :6], r"head_dim mismatch: query has D=6, kv_pool has D=8"),
+    ("key kv heads", "key", lambda t: t[:, :, :1], r"key has shape .*pool Hkv/D must match"),
+    ("value rows", "value", lambda t: t[:1], r"value has shape \(1, 3, 2, 8\), expected"),
+    ("slot_mapping rows", "slot_mapping", lambda t: t[:1], r"slot_mapping has shape \(1, 3\), expected \(2, 3\)"),
+    ("visible_end tokens", "kv_visible_end", lambda t: t[:, :2], r"kv_visible_end has shape \(2, 2\)"),
+    ("block_table rows", "block_table", lambda t: t[:1], r"block_table has shape \(1, 3\), expected \[R=2"),
+    ("pool not contiguous", "pool", lambda t: t.transpose(3, 4).contiguous().transpose(3, 4),
+     r"kv_pool must be contiguous"),
+    ("slot beyond pool", "slot_mapping", lambda t: t.clone().fill_(NB),
+     rf"slot_mapping\[0, 0\] = {NB} is outside \[-1, N\*B={NB}\)"),
+    ("slot below -1", "slot_mapping", lambda t: t.clone().fill_(-2), r"slot_mapping\[0, 0\] = -2 is outside"),
+    ("slot written twice", "slot_mapping", lambda t: t.clone().fill_(5), r"writes slot 5 twice"),
+    ("block id beyond pool", "block_table", lambda t: t.clone().fill_(6),
+     r"block_table\[0, 0\] = 6 is outside \[0, N=6\)"),
+    ("negative block id", "block_table", lambda t: t.clone().fill_(-1), r"block_table\[0, 0\] = -1 is outside"),
+    ("seq_len beyond table", "seq_lens", lambda t: torch.tensor([13, 2], dtype=torch.int32),
+     r"seq_lens\[0\] = 13 is outside \[0, M\*B=12\].*widen block_table"),
+    ("visible_end beyond seq_len", "kv_visible_end", lambda t: t.clone().fill_(9),
+     r"kv_visible_end\[0, 0\] = 9 is outside \[0, seq_lens"),
+    ("negative visible_end", "kv_visible_end", lambda t: t.clone().fill_(-1),
+     r"kv_visible_end\[0, 0\] = -1 is outside"),
+]
+
+
+@pytest.mark.parametrize("arg, change, pattern", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_rejected_inputs_name_the_problem_and_leave_the_pool_unchanged(arg, change, pattern):
+    case = _base()
+    assert case.pool.shape[1:3] == (6, 4) and case.block_table.shape == (2, 3)
+    args = dict(zip(_ARG_NAMES, case.args()))
+    args[arg] = change(args[arg])
+    before = case.pool.clone()
+    with pytest.raises(OpInputError, match=pattern):
+        write_attend(*args.values(), case.scale, "reference")
+    assert torch.equal(case.pool, before)
+
+
+def test_attend_validates_too():
+    case = _base()
+    with pytest.raises(OpInputError, match=r"kv_pool must have rank 5"):
+        attend(case.query, case.pool[0], case.block_table, case.seq_lens, case.kv_visible_end, case.scale)
+
+
+def test_unknown_visibility_and_a_wrong_hint_are_rejected():
+    case = _base()  # row 0 is causal, row 1 sees everything
+    with pytest.raises(OpInputError, match=r"unknown visibility 'sliding'"):
+        write_attend(*case.args(), case.scale, "reference", visibility="sliding")
+    before = case.pool.clone()
+    with pytest.raises(OpInputError, match=r"kv_visible_end\[0, 0\] = 6 is not what the visibility='full' hint"):
+        write_attend(*case.args(), case.scale, "reference", visibility="full")
+    assert torch.equal(case.pool, before)
+
+
+def test_value_checks_can_be_turned_off(monkeypatch):
+    case = _base()
+    monkeypatch.setattr(wa, "CHECK_VALUES", False)
+    ends = case.kv_visible_end.clone().fill_(9)  # beyond seq_len: clamped by the kernel, rejected by the checks
+    out = write_attend(*case.args()[:-1], ends, case.scale, "reference")
+    assert out.shape == case.query.shape
