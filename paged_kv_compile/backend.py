@@ -113,8 +113,8 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
         return _inner_compile(opts["inner_compiler"], new_gm, example_inputs)
     if runtime is None:
         raise BindingError(
-            "this graph reads KV-cache stand-ins but its weights are bound to no runtime; call runtime.bind(layers) "
-            "before the first forward"
+            "this graph reads KV-cache stand-ins but no live runtime has bound its weights: call runtime.bind(layers) "
+            "with this model's layers before the first forward"
         )
     rows, tokens, context = result.shape
     bucket = Bucket(rows, tokens, context)
@@ -157,6 +157,7 @@ class _PagedCallable:
         if tuple(runtime.pool.tensor.shape) != self.pool_shape:
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime")
         meta = active.meta
+        active.layers_seen.update(views)
         extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
         for layer in views:
             lv = meta.layers[layer]

@@ -8,7 +8,7 @@ exit the forward is committed, or rolled back if the block raised.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -21,6 +21,8 @@ from .metadata import BucketMetadata, MetadataBuilder
 from .pool import KVPool
 from .scheduler import DreamZeroSpec, ForwardPlan, HunyuanSpec, Scheduler
 
+WARMUP_OWNER = "<warm-up>"
+
 
 @dataclass
 class ActiveForward:
@@ -28,6 +30,7 @@ class ActiveForward:
     bucket: Bucket
     meta: BucketMetadata
     generation: int
+    layers_seen: set[int] = field(default_factory=set)  # layers whose compiled site ran in this forward
 
 
 class PagedKVRuntime:
@@ -54,6 +57,9 @@ class PagedKVRuntime:
         binding.register_standin_storage(self._standin_base)
         self._writable_standins: dict[tuple[int, ...], torch.Tensor] = {}
         self.bucket_misses: list[Bucket] = []
+        #: When True, a forward whose shape is not among the configured buckets runs as its own bucket
+        #: (recorded in `bucket_misses`) instead of raising; set by capture.CapturedBlocks(fallback="eager").
+        self.allow_unconfigured_buckets = False
 
     # ---- binding and stand-ins ----------------------------------------------------------------
     def bind(self, layers: Sequence[torch.nn.Module]) -> None:
@@ -91,6 +97,8 @@ class PagedKVRuntime:
         if wanted in self.config.buckets:
             return wanted
         self.bucket_misses.append(wanted)
+        if self.allow_unconfigured_buckets:
+            return wanted
         raise RequestError(
             f"no configured bucket for rows={rows}, tokens={tokens}, context={context}; configured: "
             f"{sorted(self.config.buckets)}. Pad the forward to a configured shape or add this bucket"
@@ -128,12 +136,50 @@ class PagedKVRuntime:
         self.active = ActiveForward(plan, bucket, meta, self.generation)
         try:
             yield self.active
+            self._check_all_layers_wrote(self.active)
         except BaseException:
             self.active = None
             self.scheduler.abort_forward(plan)
             raise
         self.active = None
         self.scheduler.finish_forward(plan)
+
+    def _check_all_layers_wrote(self, active: ActiveForward) -> None:
+        """A forward that keeps its K/V (commit, prefill) must have run every layer's site.
+
+        Otherwise the skipped layers' new history would be whatever those blocks held before.
+        Forwards that drive the op directly (no compiled site) are not tracked.
+        """
+        if active.plan.kind not in ("commit", "prefill") or not active.layers_seen:
+            return
+        missing = sorted(set(range(self.config.num_layers)) - active.layers_seen)
+        if missing:
+            raise RequestError(
+                f"this {active.plan.kind} forward skipped layers {missing}: their K/V would not become history. "
+                "The forward was rolled back; run every block in forwards that commit or prefill"
+            )
+
+    @contextlib.contextmanager
+    def warmup_forward(self, bucket: Bucket) -> Iterator[ActiveForward]:
+        """Make `bucket` the active forward with all-padding metadata, for warm-up and CUDA-graph capture.
+
+        Nothing is written and nothing is visible (every slot -1, every length 0), so a padded query gives
+        zeros; the scheduler is not touched and no request is admitted. The bucket's buffers keep their
+        addresses; the next real forward of this bucket rebuilds its metadata.
+        """
+        if self.active is not None:
+            raise RequestError("a forward is already active on this runtime; warm up between forwards")
+        if self.config.buckets and bucket not in self.config.buckets and not self.allow_unconfigured_buckets:
+            raise RequestError(f"cannot warm up bucket {bucket}: not configured; configured: {sorted(self.config.buckets)}")
+        meta = self.metadata.buffers(bucket)
+        meta.fill_with_padding(self.pool)  # also forgets the last build's key: the next build is never skipped
+        self.generation += 1
+        self.active = ActiveForward(ForwardPlan(WARMUP_OWNER, "warmup", [], bucket.tokens, bucket.context), bucket,
+                                    meta, self.generation)
+        try:
+            yield self.active
+        finally:
+            self.active = None
 
     def dreamzero_forward(self, session_id: str, *, commit: bool) -> contextlib.AbstractContextManager:
         return self.forward(self.scheduler.plan_dreamzero(session_id, commit=commit))

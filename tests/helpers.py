@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -41,3 +43,16 @@ def host_syncs(gm: torch.fx.GraphModule) -> list[str]:
         if str(name).split(".")[-1] in HOST_SYNC_TARGETS:
             out.append(node.format_node())
     return out
+
+
+@contextlib.contextmanager
+def raises_paged(exc_type, match: str):
+    """Like pytest.raises, also when dynamo wraps the error raised at compile time in BackendCompilerFailed."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - inspected below
+        err = e if isinstance(e, exc_type) else (getattr(e, "inner_exception", None) or e.__cause__)
+        assert isinstance(err, exc_type), f"expected {exc_type.__name__}, got {type(e).__name__}: {e}"
+        assert re.search(match, str(err)), f"{match!r} not in: {err}"
+    else:
+        raise AssertionError(f"{exc_type.__name__} was not raised")

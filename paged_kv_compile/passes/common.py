@@ -23,11 +23,12 @@ SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_
 _MOVE_FUNCTIONS = {
     torch.cat, torch.concat, torch.concatenate, torch.stack, torch.transpose, torch.permute, torch.reshape,
     torch.flatten, torch.unsqueeze, torch.squeeze, torch.repeat_interleave, torch.select, torch.narrow,
-    torch.swapaxes, torch.movedim, torch.clone,
+    torch.swapaxes, torch.movedim, torch.clone, torch.tile, torch.unflatten,
 }
 _MOVE_METHODS = {
     "transpose", "permute", "view", "reshape", "expand", "contiguous", "flatten", "unsqueeze", "squeeze",
-    "repeat_interleave", "narrow", "select", "clone", "swapaxes", "movedim", "__getitem__",
+    "repeat_interleave", "repeat", "tile", "narrow", "select", "clone", "swapaxes", "movedim", "__getitem__",
+    "unflatten",
 }
 _TAG_SHIFT = 40
 _TAG_MASK = (1 << _TAG_SHIFT) - 1

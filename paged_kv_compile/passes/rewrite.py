@@ -117,7 +117,7 @@ def rewrite(
     stores = store_nodes(graph, standins)
     matched: list[tuple[Site, Match, fx.Node]] = []
     for node in sdpa_nodes:
-        site = analyze(node, standins, stores)
+        site = analyze(node, standins, stores, params)
         if site is None:
             reports.append(SiteReport(node.name, "-", None, "dense", "reads no cache stand-in (e.g. cross-attention)"))
             continue

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from .common import LeafUse, Provenance, ancestors, example, movement_leaves, provenance, sdpa_args
+from .common import LeafUse, Provenance, ancestors, example, find_parameter, movement_leaves, provenance, sdpa_args
 
 STORE_METHODS = {"copy_", "__setitem__", "index_put_", "index_copy_", "fill_", "zero_", "masked_fill_"}
 
@@ -89,31 +89,42 @@ def _split(prov: Provenance, standins: set[fx.Node]) -> tuple[list[int], list[tu
     return history, new, ""
 
 
-def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node]) -> Site | str | None:
-    """A `Site`; a refusal reason (str); or None when the site touches no cache at all."""
+def _store_weight(store: fx.Node, params: set[fx.Node]) -> fx.Node | None:
+    """The layer weight behind the value a store writes (everything but its destination)."""
+    sources = [a for a in store.all_input_nodes if a is not store.args[0]]
+    return find_parameter(sources, params) if sources else None
+
+
+def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params: set[fx.Node]) -> Site | str | None:
+    """A `Site`; a refusal reason (str); or None when the site touches no cache at all.
+
+    A site touches the cache when a stand-in is upstream of its keys or values, or when a store into a
+    stand-in is fed by the same layer weight as its keys (HunyuanImage-3's step 0).
+    """
     args = sdpa_args(node)
+    weight = find_parameter([args["key"]], params)
+    my_stores = [s for s in stores if weight is not None and _store_weight(s, params) is weight]
+    upstream = ancestors(args["key"]) | ancestors(args["value"]) | {args["key"], args["value"]}
+    if not (standins & upstream) and not my_stores:
+        return None
     if args["dropout_p"] not in (0, 0.0):
         return "attention dropout is not supported by the paged op"
     provs = {}
     for name in ("query", "key", "value"):
         prov, why = provenance(args[name])
         if prov is None:
-            touches = any(leaf in standins for leaf in movement_leaves(args[name])[0])
-            return f"{name}: {why}" if touches or name != "query" else None
+            return f"{name}: {why}"
         provs[name] = prov
     k_hist, k_new, why_k = _split(provs["key"], standins)
     v_hist, v_new, why_v = _split(provs["value"], standins)
     q_hist, q_new, why_q = _split(provs["query"], standins)
-    reads_cache = bool(k_hist or v_hist)
-    new_nodes = {leaf for leaf, _ in k_new + v_new}
-    my_stores = [s for s in stores if new_nodes & ancestors(s)]
-    if not reads_cache and not my_stores:
-        return None
     for why in (why_k, why_v, why_q):
         if why:
             return why
     if q_hist:
         return "the query reads a cache stand-in"
+    if not (k_hist or v_hist or my_stores):
+        return "a cache stand-in feeds its keys/values through computation, not only data movement"
     sizes = [len(p) for _, p in k_new]
     if not sizes:
         return "the keys contain no newly computed tokens"

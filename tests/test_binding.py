@@ -1,0 +1,118 @@
+"""Binding: each compiled site reads its own layer's KV, whatever order blocks run in.
+
+Blocks are driven one by one (as a pipeline with its own block loop would) and compared with the
+same dense blocks, each with its own dense cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CountingBackend, compile_blocks, raises_paged
+
+from paged_kv_compile import BindingError, RequestError
+from paged_kv_compile.driver import dreamzero_runtime_config
+from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
+from paged_kv_compile.runtime import PagedKVRuntime
+from paged_kv_compile.scheduler import DreamZeroSpec
+
+CFG = DreamZeroConfig(num_layers=3)
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Harness:
+    """A paged model and a dense twin, driven block by block."""
+
+    def __init__(self):
+        self.dense = DreamZeroModel(CFG, seed=0)
+        self.model = DreamZeroModel(CFG, seed=0)
+        self.rt = PagedKVRuntime(dreamzero_runtime_config(CFG, block_size=8, kernel="reference"))
+        self.rt.bind(self.model.blocks)
+        self.backend = CountingBackend({"inner_compiler": "aot_eager"})
+        compile_blocks(self.model.blocks, self.backend)
+        self.rt.open_session("s", DreamZeroSpec.from_model_config(CFG), rows=2)
+        self.caches = [torch.zeros(2, 2, 0, CFG.num_heads, CFG.head_dim) for _ in range(CFG.num_layers)]
+        self.standin = self.rt.standin(2, 2, CFG.max_attention_size, CFG.num_heads, CFG.head_dim)
+        g = torch.Generator().manual_seed(0)
+        self.cross = self.dense.prepare_cross_kv(torch.randn(2, CFG.text_len, CFG.text_dim, generator=g))
+        self.g = g
+        self.start = 0
+
+    def inputs(self):
+        x = torch.randn(2, CFG.tokens_per_forward, CFG.dim, generator=self.g)
+        e = torch.randn(2, 6, CFG.dim, generator=self.g) * 0.1
+        cos, sin = self.dense.rope_tables(self.start, CFG.num_frame_per_block)
+        return x, e, cos, sin
+
+    @torch.no_grad()
+    def forward(self, order, commit, blocks=None):
+        blocks = blocks if blocks is not None else self.model.blocks
+        x, e, cos, sin = self.inputs()
+        with self.rt.dreamzero_forward("s", commit=commit):
+            for i in order:
+                want, new_cache = self.dense.blocks[i](x, e, cos, sin, self.caches[i], self.cross[i])
+                got, _ = blocks[i](x, e, cos, sin, self.standin, self.cross[i])
+                assert (got - want).abs().max().item() <= ATOL, f"layer {i} read the wrong KV"
+                if commit:
+                    self.caches[i] = new_cache
+        self.start += CFG.num_frame_per_block
+
+
+def test_blocks_out_of_order_and_skipped_read_their_own_layer():
+    h = Harness()
+    h.forward([0, 1, 2], commit=True)
+    h.forward([2, 0, 1], commit=True)  # out of order
+    h.forward([1], commit=False)  # skip blocks in a denoise step
+    h.forward([2, 1], commit=False)
+    h.forward([1, 2, 0], commit=True)
+    h.forward([0, 2], commit=False)
+    assert h.backend.frames == 1
+
+
+def test_commit_that_skips_a_block_is_refused_and_rolled_back():
+    h = Harness()
+    h.forward([0, 1, 2], commit=True)
+    before = h.rt.state()
+    with pytest.raises(RequestError, match=r"skipped layers \[1\]"):
+        h.forward([0, 2], commit=True)
+    assert h.rt.state() == before
+
+
+def test_unbound_block_is_a_clear_error():
+    h = Harness()
+    stranger = DreamZeroModel(CFG, seed=7).blocks  # same code, never bound
+    compile_blocks(stranger, h.backend)
+    with raises_paged(BindingError, "no live runtime has bound"):
+        h.forward([0], commit=False, blocks=stranger)
+
+
+def test_weights_replaced_after_binding_are_a_clear_error():
+    h = Harness()
+    h.forward([0, 1, 2], commit=True)
+    block = h.model.blocks[1]
+    block.self_attn.qkv.weight = torch.nn.Parameter(block.self_attn.qkv.weight.detach().clone())
+    with raises_paged(BindingError, "bind"):
+        h.forward([1], commit=False)
+
+
+def test_tied_weights_cannot_be_bound():
+    model = DreamZeroModel(CFG, seed=0)
+    model.blocks[2].self_attn.qkv.weight = model.blocks[0].self_attn.qkv.weight
+    rt = PagedKVRuntime(dreamzero_runtime_config(CFG, block_size=8))
+    with pytest.raises(BindingError, match="tied weights"):
+        rt.bind(model.blocks)
+
+
+def test_compiled_block_outside_a_forward_is_a_clear_error():
+    h = Harness()
+    x, e, cos, sin = h.inputs()
+    with pytest.raises(RequestError, match="outside a forward"):
+        with torch.no_grad():
+            h.model.blocks[0](x, e, cos, sin, h.standin, h.cross[0])
