@@ -11,6 +11,8 @@ Options (``options=`` of torch.compile; defaults come from the bound runtime's c
   inner_compiler: "inductor" | "aot_eager" | "eager"
   strict: raise on a KV-cache site that cannot be rewritten (default: warn, then reject the graph)
   dump_dir: write the graph before/after the passes and the pass report there (see debug.py)
+  check_mask: debug: at every call, check the model's dense mask against the runtime's layout
+    (kv_visible_end) and raise on a mismatch. Costs a host sync per site: never in production.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .config import INNER_COMPILERS, KERNELS, Bucket
 from .errors import BindingError, ConfigError, RequestError
 from .passes.rewrite import PassResult, rewrite
 
-OPTION_NAMES = ("kernel", "inner_compiler", "strict", "dump_dir")
+OPTION_NAMES = ("kernel", "inner_compiler", "strict", "dump_dir", "check_mask")
 
 #: Every pass result of this process, newest last (what `paged-kv dump` and the tests read).
 REPORTS: list[PassResult] = []
@@ -73,6 +75,7 @@ def _resolve_options(options: dict | None, runtime) -> dict:
         "inner_compiler": options.get("inner_compiler", cfg.inner_compiler if cfg else "inductor"),
         "strict": bool(options.get("strict", cfg.strict if cfg else False)),
         "dump_dir": options.get("dump_dir", cfg.dump_dir if cfg else None),
+        "check_mask": bool(options.get("check_mask", False)),
     }
     if resolved["kernel"] not in KERNELS:
         raise ConfigError(f"unknown kernel {resolved['kernel']!r}; choose one of {', '.join(KERNELS)}")
@@ -124,14 +127,19 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
         views = meta.layers[binding.resolve(example_inputs[site.weight_input])[1]]
         extras += [views.slot_mapping, views.block_table]
     compiled = _inner_compile(opts["inner_compiler"], new_gm, list(example_inputs) + extras)
-    return _PagedCallable(compiled, result, bucket, tuple(runtime.pool.tensor.shape))
+    masks = [s.mask_input for s in result.sites] if opts["check_mask"] else []
+    if opts["check_mask"] and None in masks:
+        raise ConfigError("check_mask: a site's mask is computed inside the graph, not passed in; it cannot be checked")
+    return _PagedCallable(compiled, result, bucket, tuple(runtime.pool.tensor.shape), masks)
 
 
 class _PagedCallable:
     """Appends the pool and the calling layer's metadata views to the compiled graph's inputs."""
 
-    def __init__(self, compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple) -> None:
+    def __init__(self, compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
+                 mask_inputs: list[int]) -> None:
         self.compiled = compiled
+        self.mask_inputs = mask_inputs
         self.weight_inputs = [s.weight_input for s in result.sites]
         self.layer_keys = [s.layer_key for s in result.sites]
         self.bucket = bucket
@@ -156,6 +164,8 @@ class _PagedCallable:
         runtime.check_layout(self.expect)
         if tuple(runtime.pool.tensor.shape) != self.pool_shape:
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime")
+        for index in self.mask_inputs:
+            runtime.check_dense_mask(args[index])
         meta = active.meta
         active.layers_seen.update(views)
         extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]

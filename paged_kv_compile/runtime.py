@@ -219,6 +219,34 @@ class PagedKVRuntime:
                     + ": open the session with DreamZeroSpec.from_model_config(model.config)"
                 )
 
+    def check_dense_mask(self, mask: torch.Tensor) -> None:
+        """Debug: the model's dense mask must allow exactly what the runtime's layout makes visible.
+
+        Dense key columns are either the new tokens (step 0: keys = queries) or a cached prefix of
+        `context` columns followed by the new tokens. Boolean or additive (0 / -inf) masks.
+        """
+        plan = self.require_active().plan
+        allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
+        allowed = allowed.to("cpu")
+        for r, row in enumerate(plan.rows):
+            T, cols = row.num_tokens, allowed.shape[-1]
+            key_pos = row.positions
+            if cols != T:  # [cached prefix | new tokens]: cached column j is logical j below the prefix length
+                first_new = int(row.positions[row.positions >= 0].min())
+                cached = torch.arange(cols - T)
+                key_pos = torch.cat([torch.where(cached < first_new, cached, -1), row.positions])
+            expect = (key_pos[None, :] >= 0) & (key_pos[None, :] < row.visible_end[:, None])
+            queries = row.visible_end > 0
+            got = allowed[r, 0, :T][queries]
+            bad = (got != expect[queries]).nonzero()
+            if len(bad):
+                t, c = (int(i) for i in bad[0])
+                raise RequestError(
+                    f"check_mask: row {r}'s dense mask disagrees with the runtime's layout at valid query {t}, key "
+                    f"column {c} (mask {bool(got[t, c])}, layout {bool(expect[queries][t, c])}): the request spec "
+                    "(prefix lengths, target length, full spans) does not describe this model's mask"
+                )
+
     # ---- lifecycle shortcuts ------------------------------------------------------------------
     def open_session(self, session_id: str, spec: DreamZeroSpec, rows: int = 2) -> None:
         self.scheduler.open_session(session_id, spec, rows)

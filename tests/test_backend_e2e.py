@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import CountingBackend, compile_blocks, host_syncs
 
+from paged_kv_compile import RequestError
 from paged_kv_compile.config import Bucket
 from paged_kv_compile.driver import (
     dreamzero_runtime_config,
@@ -99,3 +100,32 @@ def test_hunyuan_requests_parity(inner):
         assert all(r.status == "rewritten" for r in res.reports)
         assert not host_syncs(res.graph_module)
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
+
+
+def _hunyuan_with_mask_check(monkeypatch=None):
+    cfg = HunyuanImage3Config()
+    prompts = _hunyuan_prompts([7, 4], seed=3)
+    model = HunyuanImage3Model(cfg, seed=2)
+    runtime = PagedKVRuntime(hunyuan_runtime_config(cfg, max_prefix=8, block_size=4, kernel="reference"))
+    runtime.bind(model.layers)
+    compile_blocks(model.layers, CountingBackend({"inner_compiler": "aot_eager", "check_mask": True}))
+    return paged_hunyuan_generate(model, runtime, prompts, prefix_capacity=8, num_steps=2), runtime
+
+
+def test_hunyuan_mask_check_accepts_the_models_mask():
+    _, runtime = _hunyuan_with_mask_check()
+    assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
+
+
+def test_hunyuan_mask_check_catches_a_mask_the_layout_does_not_describe(monkeypatch):
+    from paged_kv_compile.models import hunyuan_image3 as hy
+
+    original = hy.hunyuan_attention_mask
+
+    def causal_only(prefix_lens, prefix_capacity, h, w):  # the image span is no longer bidirectional
+        mask, spans = original(prefix_lens, prefix_capacity, h, w)
+        return mask & torch.ones_like(mask).tril(), spans
+
+    monkeypatch.setattr(hy, "hunyuan_attention_mask", causal_only)
+    with pytest.raises(RequestError, match="check_mask: row 0's dense mask disagrees"):
+        _hunyuan_with_mask_check()

@@ -40,6 +40,7 @@ class SiteReport:
 class RewrittenSite:
     weight_input: int  # index of the layer-key parameter among the graph's inputs
     layer_key: str
+    mask_input: int | None = None  # index of the dense mask among the inputs (for the check_mask option)
 
 
 @dataclass
@@ -208,7 +209,8 @@ def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: Pas
             if store.graph is graph:
                 store.replace_all_uses_with(store.args[0])
                 graph.erase_node(store)
-        result.sites.append(RewrittenSite(index_of[weight], _source_name(weight)))
+        mask = site.args["attn_mask"]
+        result.sites.append(RewrittenSite(index_of[weight], _source_name(weight), index_of.get(mask)))
 
 
 def _concat(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
