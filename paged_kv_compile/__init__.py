@@ -19,14 +19,19 @@ from .errors import (
     PassError,
     RequestError,
 )
-from .pool import KVPool
 from . import ops as _ops  # registers torch.ops.paged_kv
+from .pool import KVPool
+from .runtime import PagedKVRuntime
+from .scheduler import DreamZeroSpec, HunyuanSpec
 
 __all__ = [
     "__version__",
     "Bucket",
     "PagedKVConfig",
     "KVPool",
+    "PagedKVRuntime",
+    "DreamZeroSpec",
+    "HunyuanSpec",
     "PagedKVError",
     "ConfigError",
     "OpInputError",
