@@ -129,3 +129,21 @@ def test_hunyuan_mask_check_catches_a_mask_the_layout_does_not_describe(monkeypa
     monkeypatch.setattr(hy, "hunyuan_attention_mask", causal_only)
     with pytest.raises(RequestError, match="check_mask: row 0's dense mask disagrees"):
         _hunyuan_with_mask_check()
+
+
+def test_hunyuan_whole_model_compile_parity():
+    """One graph holding every layer's site: each site still finds its own layer's metadata."""
+    cfg = HunyuanImage3Config()
+    prompts = _hunyuan_prompts([10, 6], seed=4)
+    dense = hunyuan_generate(HunyuanImage3Model(cfg, seed=2), prompts, prefix_capacity=10, num_steps=3, seed=1)
+    model = HunyuanImage3Model(cfg, seed=2)
+    runtime = PagedKVRuntime(hunyuan_runtime_config(cfg, max_prefix=10, block_size=4, kernel="reference"))
+    runtime.bind(model.layers)
+    backend = CountingBackend({"inner_compiler": "aot_eager"})
+    model.compile(backend=backend, fullgraph=True, dynamic=False)
+    got = paged_hunyuan_generate(model, runtime, prompts, prefix_capacity=10, num_steps=3, seed=1)
+    assert (got - dense).abs().max().item() <= ATOL
+    assert backend.frames == 2  # prefill and step
+    for res in backend.results:
+        assert [r.status for r in res.reports] == ["rewritten"] * cfg.num_layers
+        assert len({r.layer_key for r in res.reports}) == cfg.num_layers
