@@ -263,23 +263,31 @@ class Scheduler:
         B = self.block_size
         n, a = spec.chunk_tokens, spec.action_tokens
         new_blocks = self._allocate_rows([n // B] * owner.num_rows) if commit else []
-        layouts = []
-        for r, row in enumerate(owner.rows):
-            visible = self._visible_history(owner, row)
-            h = len(visible) * B
-            managed = visible + (new_blocks[r] if commit else [])
-            first_scratch = len(managed)
-            last_block = (h + n + a - 1) // B
-            scratch = self._scratch(r, first_scratch, last_block)
-            positions = torch.arange(h, h + n + a, dtype=torch.int64)
-            ends = torch.full((n + a,), h + n + a, dtype=torch.int64)
-            layouts.append(RowLayout.build(managed, scratch, positions, ends, h + n + a))
+        try:
+            layouts = [self._dreamzero_row(owner, r, row, new_blocks[r] if commit else []) for r, row in
+                       enumerate(owner.rows)]
+        except BaseException:
+            for blocks in new_blocks:
+                self.allocator.free(blocks)
+            raise
         self._touch(owner)
         kind = "commit" if commit else "denoise"
         key = (session_id, kind, owner.version) if not commit else ()
         plan = ForwardPlan(session_id, kind, layouts, n + a, spec.window_tokens, new_blocks, key)
         self.in_flight = plan
         return plan
+
+    def _dreamzero_row(self, owner: _Owner, r: int, row: list[int], new: list[int]) -> RowLayout:
+        """[visible history | chunk (new managed blocks, or scratch) | action tokens (scratch)]."""
+        spec: DreamZeroSpec = owner.spec
+        B, n, a = self.block_size, spec.chunk_tokens, spec.action_tokens
+        visible = self._visible_history(owner, row)
+        h = len(visible) * B
+        managed = visible + new
+        scratch = self._scratch(r, len(managed), (h + n + a - 1) // B)
+        positions = torch.arange(h, h + n + a, dtype=torch.int64)
+        ends = torch.full((n + a,), h + n + a, dtype=torch.int64)
+        return RowLayout.build(managed, scratch, positions, ends, h + n + a)
 
     def reset_window(self, session_id: str) -> None:
         """Clear a session's history (the generated latents are the caller's); rows stay admitted."""
