@@ -130,46 +130,47 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     masks = [s.mask_input for s in result.sites] if opts["check_mask"] else []
     if opts["check_mask"] and None in masks:
         raise ConfigError("check_mask: a site's mask is computed inside the graph, not passed in; it cannot be checked")
-    return _PagedCallable(compiled, result, bucket, tuple(runtime.pool.tensor.shape), masks)
+    return _paged_callable(compiled, result, bucket, tuple(runtime.pool.tensor.shape), masks)
 
 
-class _PagedCallable:
-    """Appends the pool and the calling layer's metadata views to the compiled graph's inputs."""
+def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
+                    mask_inputs: list[int]) -> Callable:
+    """The function dynamo calls: appends the pool and the calling layer's metadata views.
 
-    def __init__(self, compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
-                 mask_inputs: list[int]) -> None:
-        self.compiled = compiled
-        self.mask_inputs = mask_inputs
-        self.weight_inputs = [s.weight_input for s in result.sites]
-        self.layer_keys = [s.layer_key for s in result.sites]
-        self.bucket = bucket
-        self.expect = result.expect
-        self.pool_shape = pool_shape
+    A plain function (not a callable object), so tools that read `__code__` (depyf) can name it.
+    """
+    weight_inputs = [s.weight_input for s in result.sites]
+    layer_keys = [s.layer_key for s in result.sites]
+    expect = result.expect
 
-    def __call__(self, *args):
+    def paged_kv_compiled_forward(*args):
         runtime = None
-        views = []
-        for index, key in zip(self.weight_inputs, self.layer_keys):
+        layers = []
+        for index, key in zip(weight_inputs, layer_keys):
             site_runtime, layer = binding.resolve(args[index])
             if runtime is not None and site_runtime is not runtime:
                 raise BindingError(f"the sites of one graph are bound to different runtimes (at {key})")
             runtime = site_runtime
-            views.append(layer)
+            layers.append(layer)
         active = runtime.require_active()
-        if active.bucket != self.bucket:
+        if active.bucket != bucket:
             raise RequestError(
-                f"this graph was compiled for bucket {self.bucket} but the active forward is bucket "
+                f"this graph was compiled for bucket {bucket} but the active forward is bucket "
                 f"{active.bucket}: the model's inputs do not match the runtime's plan (stale metadata?)"
             )
-        runtime.check_layout(self.expect)
-        if tuple(runtime.pool.tensor.shape) != self.pool_shape:
+        runtime.check_layout(expect)
+        if tuple(runtime.pool.tensor.shape) != pool_shape:
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime")
-        for index in self.mask_inputs:
+        for index in mask_inputs:
             runtime.check_dense_mask(args[index])
         meta = active.meta
-        active.layers_seen.update(views)
+        active.layers_seen.update(layers)
         extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
-        for layer in views:
-            lv = meta.layers[layer]
-            extras += [lv.slot_mapping, lv.block_table]
-        return self.compiled(*args, *extras)
+        for layer in layers:
+            views = meta.layers[layer]
+            extras += [views.slot_mapping, views.block_table]
+        return compiled(*args, *extras)
+
+    paged_kv_compiled_forward.pass_result = result
+    paged_kv_compiled_forward.bucket = bucket
+    return paged_kv_compiled_forward
