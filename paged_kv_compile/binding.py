@@ -19,7 +19,8 @@ from .errors import BindingError
 if TYPE_CHECKING:
     from .runtime import PagedKVRuntime
 
-_layer_of_param: dict[int, tuple[weakref.ref, int]] = {}
+#: parameter address -> (runtime, layer index, the bound layer module, the parameter's name in it)
+_layer_of_param: dict[int, tuple[weakref.ref, int, weakref.ref, str]] = {}
 _standin_storages: dict[int, weakref.ref] = {}
 
 
@@ -30,32 +31,34 @@ def bind_layers(runtime: "PagedKVRuntime", layers: Sequence[torch.nn.Module]) ->
             f"{len(layers)} layers given but the runtime was configured for {runtime.config.num_layers}; "
             "bind the model's list of blocks/decoder layers"
         )
-    table: dict[int, int] = {}
+    table: dict[int, tuple[int, str]] = {}
     for index, layer in enumerate(layers):
-        params = list(layer.parameters())
+        params = list(layer.named_parameters())
         if not params:
             raise BindingError(f"layer {index} ({type(layer).__name__}) has no parameters; bind the attention blocks")
-        for p in params:
+        for name, p in params:
             ptr = p.data_ptr()
             owner = table.get(ptr)
-            if owner is not None and owner != index:
+            if owner is not None and owner[0] != index:
                 raise BindingError(
-                    f"layers {owner} and {index} share a parameter (tied weights): a site could not tell them "
+                    f"layers {owner[0]} and {index} share a parameter (tied weights): a site could not tell them "
                     "apart; untie the weights (clone them per layer) before binding"
                 )
-            table[ptr] = index
-    unbind_runtime(runtime)
-    ref = weakref.ref(runtime)
-    for ptr, index in table.items():
+            table[ptr] = (index, name)
+    # Validate everything before changing anything: a refused bind leaves every binding as it was.
+    for ptr in table:
         previous = _layer_of_param.get(ptr)
         if previous is not None and previous[0]() is not None and previous[0]() is not runtime:
             raise BindingError("these weights are already bound to another live runtime; close it first")
-        _layer_of_param[ptr] = (ref, index)
-    return table
+    unbind_runtime(runtime)
+    ref = weakref.ref(runtime)
+    for ptr, (index, name) in table.items():
+        _layer_of_param[ptr] = (ref, index, weakref.ref(layers[index]), name)
+    return {ptr: index for ptr, (index, _) in table.items()}
 
 
 def unbind_runtime(runtime: "PagedKVRuntime") -> None:
-    for ptr in [p for p, (ref, _) in _layer_of_param.items() if ref() is runtime or ref() is None]:
+    for ptr in [p for p, (ref, *_) in _layer_of_param.items() if ref() is runtime or ref() is None]:
         del _layer_of_param[ptr]
 
 
@@ -69,7 +72,21 @@ def resolve(weight: torch.Tensor) -> tuple["PagedKVRuntime", int]:
             "has bound: call runtime.bind(layers) with this model's layers (again, if the weights were moved, "
             "re-created or loaded after binding)"
         )
-    return runtime, entry[1]
+    _, index, layer_ref, name = entry
+    # The address alone is not enough: weights swapped between layers (or a new weight that reuses a freed
+    # address) would make this site read another layer's KV. The bound layer must still hold this very tensor.
+    layer = layer_ref()
+    try:
+        current = layer.get_parameter(name) if layer is not None else None
+    except AttributeError:
+        current = None
+    if current is not weight:
+        raise BindingError(
+            f"a paged attention site was called with a weight that was bound as {name!r} of layer {index}, but "
+            "that layer no longer holds it (weights swapped, replaced or re-loaded after binding): call "
+            "runtime.bind(layers) again with the model's current layers"
+        )
+    return runtime, index
 
 
 def register_standin_storage(tensor: torch.Tensor) -> None:
@@ -88,4 +105,4 @@ def is_standin(value: object) -> bool:
 
 
 def registered_layers(runtime: "PagedKVRuntime") -> Iterable[int]:
-    return sorted({i for ref, i in _layer_of_param.values() if ref() is runtime})
+    return sorted({i for ref, i, *_ in _layer_of_param.values() if ref() is runtime})

@@ -101,8 +101,9 @@ def paged_hunyuan_generate(model, runtime: PagedKVRuntime, prompts: list[torch.T
     from .models.hunyuan_image3 import hunyuan_generate
 
     spec = hunyuan_spec(model.cfg, prompts)
-    runtime.admit_request(request_id, spec)
+    # The capacity first: a request no bucket can serve must be refused before it holds any block.
     capacity = kwargs.pop("prefix_capacity", None) or runtime.hunyuan_prefix_capacity(spec.prefix_lens, spec.target_len)
+    runtime.admit_request(request_id, spec)
     try:
         out = hunyuan_generate(model, prompts, prefix_capacity=capacity, hooks=PagedHooks(runtime, request_id), **kwargs)
     except BaseException:

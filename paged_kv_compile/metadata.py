@@ -132,6 +132,9 @@ class MetadataBuilder:
         if key and key == meta.last_key:
             return meta
         self._check_fits(bucket, meta.width, rows)
+        # From here the buffers change: until this build completes they describe no plan, so a build that
+        # fails half-way can never be skipped as a repeat of the previous key (another request's layout).
+        meta.last_key = ()
         B = self.pool.block_size
         slot0, slot_managed, table0, table_managed, seq, vis = meta._host
         slot0.fill_(-1)

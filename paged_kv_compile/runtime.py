@@ -7,6 +7,7 @@ exit the forward is committed, or rolled back if the block raised.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -56,7 +57,7 @@ class PagedKVRuntime:
         self._standin_base = torch.zeros((), dtype=config.dtype, device=config.device)
         binding.register_standin_storage(self._standin_base)
         self._writable_standins: dict[tuple[int, ...], torch.Tensor] = {}
-        self.bucket_misses: list[Bucket] = []
+        self.bucket_misses: collections.Counter[Bucket] = collections.Counter()  # shape -> forwards refused/let through
         #: When True, a forward whose shape is not among the configured buckets runs as its own bucket
         #: (recorded in `bucket_misses`) instead of raising; set by capture.CapturedBlocks(fallback="eager").
         self.allow_unconfigured_buckets = False
@@ -96,7 +97,7 @@ class PagedKVRuntime:
             return wanted  # no bucket list configured: every shape is its own bucket
         if wanted in self.config.buckets:
             return wanted
-        self.bucket_misses.append(wanted)
+        self.bucket_misses[wanted] += 1
         if self.allow_unconfigured_buckets:
             return wanted
         raise RequestError(
@@ -124,9 +125,13 @@ class PagedKVRuntime:
     @contextlib.contextmanager
     def forward(self, plan: ForwardPlan) -> Iterator[ActiveForward]:
         """Build the plan's metadata once, run the body with it active, then commit or roll back."""
+        # Refusals that concern another forward come first and roll nothing back: the plan in flight
+        # belongs to the active forward (nesting), or this plan was already finished/aborted (stale; its
+        # blocks may belong to someone else by now, so it must never run).
+        if self.active is not None:
+            raise RequestError("a forward is already active on this runtime; forwards do not nest")
+        self.scheduler._check_plan(plan)
         try:
-            if self.active is not None:
-                raise RequestError("a forward is already active on this runtime; forwards do not nest")
             bucket = self.bucket_for(len(plan.rows), plan.tokens, plan.context)
             meta = self.metadata.build(bucket, plan.rows, plan.key)
         except BaseException:

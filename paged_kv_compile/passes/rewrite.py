@@ -162,15 +162,22 @@ def rewrite(
         result.shape = shapes.pop()
         _insert_ops(graph, matched, placeholders, kernel, result)
 
+    # Stores into a stand-in that no rewritten site took over (its site was refused): dead-code elimination
+    # would drop them silently (FX treats in-place methods as pure), and later forwards would read a cache
+    # that was never written. Collect them before it runs; they are leftover uses like any read.
+    live = set(graph.nodes)
+    lost_stores = [n for n in stores if n in live]
     allowed = _output_standin_replacements(graph, standins)
     graph.eliminate_dead_code()
-    leftovers = [u for s in standins for u in s.users if u not in allowed]
+    leftovers = list(dict.fromkeys(lost_stores + [u for s in standins for u in s.users if u not in allowed]))
     if leftovers:
         raise PassError(
             "the graph still reads a KV-cache stand-in after rewriting ("
             + ", ".join(f"{u.name}: {u.op} {getattr(u.target, '__name__', u.target)}" for u in leftovers)
-            + "); a stand-in holds no data, so this would compute on zeros. Use a supported attention idiom "
-            "(see the pass report) or run this model densely"
+            + "); a stand-in holds no data, so this would compute on zeros"
+            + (" (and a store into it would be lost: later forwards would read a cache that was never written)"
+               if lost_stores else "")
+            + ". Use a supported attention idiom (see the pass report) or run this model densely"
         )
     gm.recompile()
     return result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from .common import LeafUse, Provenance, ancestors, example, find_parameter, movement_leaves, provenance, sdpa_args
@@ -95,6 +96,34 @@ def _store_weight(store: fx.Node, params: set[fx.Node]) -> fx.Node | None:
     return find_parameter(sources, params) if sources else None
 
 
+#: where a store's written value sits among its arguments (the rest are the destination, indices or masks)
+_STORE_VALUE_ARG = {"copy_": 1, "setitem": 2, "__setitem__": 2, "index_put_": 2, "index_copy_": 3}
+
+
+def _store_problem(store: fx.Node, new_leaves: set[fx.Node]) -> str:
+    """Why a store into a stand-in is not a plain copy of the site's new keys/values ("" when it is).
+
+    The pass drops such stores and the op writes the keys/values the attention reads instead, which is only
+    the same when the store writes exactly those tensors (through data movement, optionally zeroed where a
+    row is padding: ``torch.where(valid, key[:, :P], 0)``, as HunyuanImage-3 does).
+    """
+    name = store.target if store.op == "call_method" else getattr(store.target, "__name__", str(store.target))
+    index = _STORE_VALUE_ARG.get(name)
+    value = store.args[index] if index is not None and len(store.args) > index else None
+    if not isinstance(value, fx.Node):
+        return f"it writes the cache with {name}, which the pass cannot verify"
+    if (value.op == "call_function" and value.target is torch.where and len(value.args) == 3
+            and isinstance(value.args[1], fx.Node) and value.args[2] in (0, 0.0)):
+        value = value.args[1]  # zeroing padded positions: they are never read
+    leaves, _ = movement_leaves(value)
+    if len(leaves) != 1 or leaves[0] not in new_leaves:
+        return (
+            "it stores something else into the cache than the keys/values it attends with (arithmetic or another "
+            "tensor): the paged op can only keep what the attention reads"
+        )
+    return ""
+
+
 def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params: set[fx.Node]) -> Site | str | None:
     """A `Site`; a refusal reason (str); or None when the site touches no cache at all.
 
@@ -132,6 +161,11 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         return "query, keys and values do not carry the same number of new tokens"
     if k_hist != v_hist:
         return "keys and values read different history positions"
+    new_leaves = {leaf for leaf, _ in k_new} | {leaf for leaf, _ in v_new}
+    for store in my_stores:
+        why = _store_problem(store, new_leaves)
+        if why:
+            return why
     standin_leaves = {leaf for leaf, _ in provs["key"].columns if leaf in standins}
     standin = next(iter(standin_leaves), None)
     k_kv = provs["key"].uses[standin].kv_index if standin is not None else None

@@ -1,0 +1,677 @@
+"""Faults in the middle of serving: exceptions inside compiled forwards, pool exhaustion, aborts.
+
+Whatever fails, the pool is never corrupted, no block leaks, and no request ever gets another
+request's numbers: a failed forward is rolled back (the runtime state and every live owner's blocks
+are bit-exactly what they were before it), can be retried, and the retried request gives exactly the
+result of a clean run on a fresh runtime.
+
+The loops below are `dreamzero_rollout` / `hunyuan_generate` written as generators that yield before
+every forward (checked bit-exact against the library loops), so a test can interleave sessions on one
+runtime, abort between forwards, and retry a forward that failed. `test_reliability_soak.py` uses them
+too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from helpers import CountingBackend, compile_blocks
+
+from paged_kv_compile import CapacityError, RequestError
+from paged_kv_compile.driver import (
+    PagedHooks,
+    dreamzero_runtime_config,
+    hunyuan_runtime_config,
+    hunyuan_spec,
+    paged_dreamzero_rollout,
+    paged_hunyuan_generate,
+)
+from paged_kv_compile.metadata import BucketMetadata
+from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
+from paged_kv_compile.models.hooks import DenseHooks
+from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
+from paged_kv_compile.runtime import PagedKVRuntime
+from paged_kv_compile.scheduler import DreamZeroSpec
+
+ATOL = 1e-5  # paged vs dense
+RETRY_ATOL = 1e-6  # paged vs paged (a retried run vs a clean run): in practice bit-exact
+
+# Tiny geometries: 3 layers so a fault can hit the middle one after layer 0 already wrote its K/V.
+# DreamZero: chunk = 1 frame of 4 tokens, window = 3 frames (slides after 2 commits), reset after 5 chunks.
+DZ_CFG = DreamZeroConfig(num_layers=3, frame_seqlen=4, num_frame_per_block=1, local_attn_size=3, window_reset_frames=5,
+                         action_register_length=2, num_inference_steps=2)
+HY_CFG = HunyuanImage3Config(num_layers=3, image_h=2, image_w=3)
+HY_CAPACITY = 10
+
+
+class InjectedFault(RuntimeError):
+    """What a test raises inside a forward."""
+
+
+# ---- the loops as generators -------------------------------------------------------------------------------
+def _attempt(hooks, kind: str, info: dict, call, *, retries: int = 0, wait_for_capacity: bool = False):
+    """Run one forward `call()` inside `hooks.forward`; on an injected fault yield ("retry", kind) and run it
+    again (at most `retries` times); on CapacityError with `wait_for_capacity`, yield ("blocked", kind) and retry."""
+    failures = 0
+    while True:
+        try:
+            with hooks.forward(kind, **info):
+                return call()
+        except (InjectedFault, asyncio.CancelledError):
+            failures += 1
+            if failures > retries:
+                raise
+            yield ("retry", kind)
+        except CapacityError:
+            if not wait_for_capacity:
+                raise
+            yield ("blocked", kind)
+
+
+def dreamzero_steps(model, hooks, *, num_chunks: int, steps: int, seed: int, out: dict | None = None,
+                    guidance_scale: float = 5.0, retries: int = 0, wait_for_capacity: bool = False):
+    """`dreamzero_rollout` as a generator: yields ("commit"|"denoise", chunk) before each forward.
+
+    Completed chunks are appended to `out["video"]` / `out["actions"]` as they finish; returns `out`.
+    """
+    cfg = model.cfg
+    p = next(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+
+    def noise(*shape):
+        return torch.randn(shape, generator=gen).to(device=p.device, dtype=p.dtype)
+
+    out = out if out is not None else {}
+    out.setdefault("video", [])
+    out.setdefault("actions", [])
+    context = noise(1, cfg.text_len, cfg.text_dim)
+    context = torch.cat([context, torch.zeros_like(context)])
+    image_context = noise(1, cfg.image_len, cfg.image_dim).expand(2, -1, -1) if cfg.image_len else None
+    cross_kvs = model.prepare_cross_kv(context, image_context)
+    caches = hooks.dreamzero_caches(model, 2)
+    sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
+    L, A = cfg.chunk_tokens, cfg.action_register_length
+    start, previous = 0, None
+    kw = dict(retries=retries, wait_for_capacity=wait_for_capacity)
+    for chunk in range(num_chunks):
+        if previous is not None:
+            prev_start, prev_x, prev_a = previous
+            yield ("commit", chunk)
+            _, _, caches = yield from _attempt(
+                hooks, "commit", dict(start_frame=prev_start, num_frames=cfg.num_frame_per_block),
+                lambda: model(prev_x.expand(2, -1, -1), prev_a.expand(2, -1, -1), torch.zeros(2), prev_start,
+                              caches, cross_kvs, update_kv_cache=True), **kw)
+        x, a = noise(1, L, cfg.in_channels), noise(1, A, cfg.action_dim)
+        for i in range(steps):
+            t = torch.full((2,), sigmas[i] * 1000.0)
+            yield ("denoise", chunk)
+            v_x, v_a, _ = yield from _attempt(
+                hooks, "denoise", dict(start_frame=start, num_frames=cfg.num_frame_per_block, step=i),
+                lambda: model(x.expand(2, -1, -1), a.expand(2, -1, -1), t, start, caches, cross_kvs,
+                              update_kv_cache=False), **kw)
+            v_x = v_x[1:] + guidance_scale * (v_x[:1] - v_x[1:])
+            v_a = v_a[1:] + guidance_scale * (v_a[:1] - v_a[1:])
+            x = x + (sigmas[i + 1] - sigmas[i]) * v_x
+            a = a + (sigmas[i + 1] - sigmas[i]) * v_a
+        out["video"].append(x[0])
+        out["actions"].append(a[0])
+        previous = (start, x, a)
+        start += cfg.num_frame_per_block
+        if start >= cfg.window_reset_frames:
+            hooks.window_reset()
+            caches = hooks.dreamzero_caches(model, 2)
+            start, previous = 0, None
+    return out
+
+
+def hunyuan_steps(model, hooks, prompts, *, prefix_capacity: int, num_steps: int, seed: int,
+                  guidance_scale: float = 4.0, retries: int = 0):
+    """`hunyuan_generate` as a generator: yields ("prefill"|"step", i) before each forward; returns the latents."""
+    cfg = model.cfg
+    req = model.build_request(prompts, prefix_capacity)
+    b, P = req.batch, req.prefix_capacity
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen)
+    sigmas = torch.linspace(1.0, 0.0, num_steps + 1).tolist()
+    caches = hooks.hunyuan_caches(model, b, P)
+    info = dict(prefix_lens=list(req.prefix_lens), prefix_capacity=P, target_len=cfg.target_len)
+    for i in range(num_steps):
+        t = torch.full((b,), sigmas[i] * 1000.0)
+        target = model.embed_target(x.expand(b, -1, -1), t)
+        if i == 0:
+            yield ("prefill", i)
+            hidden = yield from _attempt(hooks, "prefill", info, lambda: model(
+                torch.cat([req.prefix_embeds, target], dim=1), req.rope_cos, req.rope_sin, req.attention_mask,
+                caches, req.prefix_valid, "prefill"), retries=retries)
+            hidden = hidden[:, P:]
+        else:
+            yield ("step", i)
+            hidden = yield from _attempt(hooks, "step", dict(step=i, **info), lambda: model(
+                target, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, caches, req.prefix_valid,
+                "step"), retries=retries)
+        v = model.velocity(hidden)
+        v = v[1] + guidance_scale * (v[0] - v[1]) if b == 2 else v[0]
+        x = x + (sigmas[i + 1] - sigmas[i]) * v
+    return x
+
+
+def run_to_end(gen, on_yield=None):
+    """Drive a generator loop to its end; `on_yield(event)` runs between forwards. Returns its result."""
+    while True:
+        try:
+            event = next(gen)
+        except StopIteration as stop:
+            return stop.value
+        if on_yield is not None:
+            on_yield(event)
+
+
+# ---- state checks ----------------------------------------------------------------------------------------
+def owned_kv(rt: PagedKVRuntime) -> dict[str, torch.Tensor]:
+    """A copy of every live owner's valid history K/V, in every layer: what a failed forward must never touch.
+
+    DreamZero: every owned block (whole committed frames). HunyuanImage-3: each row's prompt tokens once the
+    request is prefilled (before that its blocks hold nothing valid yet).
+    """
+    out = {}
+    B = rt.pool.block_size
+    for oid, owner in rt.scheduler.owners.items():
+        slots = []
+        for r, row in enumerate(owner.rows):
+            if owner.family == "dreamzero":
+                valid = len(row) * B
+            else:
+                valid = owner.spec.prefix_lens[r] if owner.prefilled else 0
+            pos = torch.arange(valid)
+            local = torch.tensor(row, dtype=torch.int64)[pos // B] if valid else pos
+            slots.append(local * B + pos % B)
+        local_slots = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+        if local_slots.numel():
+            layer_slot_base = rt.pool.layer_bases * B
+            absolute = (layer_slot_base[:, None] + local_slots[None, :]).flatten()
+            flat = rt.pool.tensor.view(2, -1, *rt.pool.tensor.shape[3:])
+            out[oid] = flat.index_select(1, absolute).clone()
+    return out
+
+
+def assert_kv_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"the K/V of {k!r} changed"
+
+
+def assert_no_leak(rt: PagedKVRuntime) -> None:
+    owned = [b for rows in rt.scheduler.owned_blocks().values() for row in rows for b in row]
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert rt.scheduler.allocator.num_free + len(owned) == rt.pool.blocks_per_layer, "a block leaked"
+    assert rt.scheduler.in_flight is None and rt.active is None
+
+
+class Checkpoints:
+    """Between forwards: remember the runtime state and the owned K/V; after a failed forward, compare."""
+
+    def __init__(self, rt: PagedKVRuntime):
+        self.rt = rt
+        self.state = None
+        self.kv = None
+        self.rollbacks = 0
+
+    def __call__(self, event) -> None:
+        if event[0] in ("retry", "blocked"):
+            assert self.rt.state() == self.state, f"a failed {event[1]} forward changed the runtime state"
+            assert_kv_equal(owned_kv(self.rt), self.kv)
+            assert_no_leak(self.rt)
+            self.rollbacks += 1
+        else:
+            self.state, self.kv = self.rt.state(), owned_kv(self.rt)
+
+
+# ---- setups ----------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    with torch.no_grad():
+        yield
+    torch._dynamo.reset()
+
+
+def paged_dreamzero(model=None, *, sessions: int = 1, blocks_per_layer: int | None = None, max_sessions=None,
+                    allocator: str = "builtin"):
+    """A runtime bound to `model` (a new compiled tiny DreamZero by default). Tests reuse one compiled model
+    for their clean and faulty runtimes (close the first before binding the next): one compile per test."""
+    if model is None:
+        model = DreamZeroModel(DZ_CFG, seed=1)
+        compile_blocks(model.blocks, CountingBackend())
+    over = {} if blocks_per_layer is None else {"blocks_per_layer": blocks_per_layer}
+    rt = PagedKVRuntime(dreamzero_runtime_config(model.cfg, kernel="reference", inner_compiler="aot_eager",
+                                                 sessions=sessions, **over),
+                        allocator=allocator, max_sessions=max_sessions)
+    rt.bind(model.blocks)
+    return model, rt
+
+
+def paged_hunyuan(model=None, *, requests: int = 1, blocks_per_layer: int | None = None):
+    if model is None:
+        model = HunyuanImage3Model(HY_CFG, seed=2)
+        compile_blocks(model.layers, CountingBackend())
+    over = {} if blocks_per_layer is None else {"blocks_per_layer": blocks_per_layer}
+    rt = PagedKVRuntime(hunyuan_runtime_config(model.cfg, max_prefix=HY_CAPACITY, block_size=4, kernel="reference",
+                                               inner_compiler="aot_eager", requests=requests, **over))
+    rt.bind(model.layers)
+    return model, rt
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, HY_CFG.vocab, (n,), generator=g) for n in lengths]
+
+
+class FaultyBlock(torch.nn.Module):
+    """Wraps one (compiled) block: runs it, then raises on the listed call numbers (its K/V is already written)."""
+
+    def __init__(self, inner, runtime, fail_on=(), exc=InjectedFault):
+        super().__init__()
+        self.inner, self.runtime, self.fail_on, self.exc = inner, runtime, set(fail_on), exc
+        self.calls = 0
+        self.failed_kinds: list[str] = []
+
+    def __getattr__(self, name):  # the model's eager helpers reach into its blocks (e.g. block.cross_attn)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        out = self.inner(*args, **kwargs)
+        if self.calls in self.fail_on:
+            self.failed_kinds.append(self.runtime.active.plan.kind)
+            raise self.exc(f"injected fault on call {self.calls}")
+        return out
+
+
+def dz_session(rt, model, sid, **kw):
+    rt.open_session(sid, DreamZeroSpec.from_model_config(model.cfg), rows=2)
+    return dreamzero_steps(model, PagedHooks(rt, sid), **kw)
+
+
+def clean_dreamzero(model, num_chunks, steps, seed, **runtime_kw):
+    """`model`'s session on a fresh runtime of the same geometry, closed afterwards: the reference result."""
+    model, rt = paged_dreamzero(model, **runtime_kw)
+    out = run_to_end(dz_session(rt, model, "clean", num_chunks=num_chunks, steps=steps, seed=seed))
+    rt.close_session("clean")
+    rt.close()
+    return out
+
+
+def same(a, b, atol=RETRY_ATOL):
+    a = torch.stack(a) if isinstance(a, list) else a
+    b = torch.stack(b) if isinstance(b, list) else b
+    return a.shape == b.shape and (a - b).abs().max().item() <= atol
+
+
+# ---- the drivers are the library loops ---------------------------------------------------------------------
+def test_generator_loops_are_the_library_loops():
+    model = DreamZeroModel(DZ_CFG, seed=1)
+    want = dreamzero_rollout(model, num_chunks=7, num_inference_steps=2, seed=4)
+    got = run_to_end(dreamzero_steps(model, DenseHooks(), num_chunks=7, steps=2, seed=4))
+    assert torch.equal(torch.stack(got["video"]), want["video"]) and want["resets"]
+    assert torch.equal(torch.stack(got["actions"]), want["actions"])
+    hy = HunyuanImage3Model(HY_CFG, seed=2)
+    p = prompts([7, 4])
+    want = hunyuan_generate(hy, p, prefix_capacity=HY_CAPACITY, num_steps=3, seed=5)
+    got = run_to_end(hunyuan_steps(hy, DenseHooks(), p, prefix_capacity=HY_CAPACITY, num_steps=3, seed=5))
+    assert torch.equal(got, want)
+
+
+# ---- exceptions inside a compiled forward ------------------------------------------------------------------
+@pytest.mark.parametrize("exc", [InjectedFault, asyncio.CancelledError], ids=["exception", "cancelled"])
+def test_dreamzero_fault_inside_a_forward_rolls_back_and_the_retry_is_exact(exc):
+    """Block 1 of 3 raises after running (layer 0 and 1 already wrote): commit and denoise forwards,
+    once and twice in a row. Each failed forward leaves state and owned K/V bit-exact; retried, the
+    session equals a clean run on a fresh runtime."""
+    model, rt = paged_dreamzero()
+    rt.close()
+    want = clean_dreamzero(model, num_chunks=6, steps=2, seed=3)
+    model, rt = paged_dreamzero(model)
+    # Calls of block 1: d1 d2 | c3 d4 d5 | c6 d7 d8 ...: fail the first commit (3), then the denoise after
+    # the second commit twice in a row (8 and its retry 9).
+    faulty = FaultyBlock(model.blocks[1], rt, fail_on=(3, 8, 9), exc=exc)
+    model.blocks[1] = faulty
+    check = Checkpoints(rt)
+    got = run_to_end(dz_session(rt, model, "s", num_chunks=6, steps=2, seed=3, retries=2), check)
+    assert faulty.failed_kinds == ["commit", "denoise", "denoise"] and check.rollbacks == 3
+    assert same(got["video"], want["video"]) and same(got["actions"], want["actions"])
+    rt.close_session("s")
+    assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
+
+
+@pytest.mark.parametrize("fail_on", [(1,), (2,), (3, 4)], ids=["prefill", "step", "step-twice"])
+def test_hunyuan_fault_inside_a_forward_rolls_back_and_the_retry_is_exact(fail_on):
+    p = prompts([9, 5], seed=1)
+    model, rt = paged_hunyuan()
+    spec = hunyuan_spec(HY_CFG, p)
+    rt.admit_request("clean", spec)
+    want = run_to_end(hunyuan_steps(model, PagedHooks(rt, "clean"), p, prefix_capacity=HY_CAPACITY, num_steps=4,
+                                    seed=2))
+    rt.finish_request("clean")
+    dense = hunyuan_generate(HunyuanImage3Model(HY_CFG, seed=2), p, prefix_capacity=HY_CAPACITY, num_steps=4, seed=2)
+    assert same(want, dense, ATOL)
+
+    rt.close()
+    model2, rt2 = paged_hunyuan(model)
+    model2.layers[1] = faulty = FaultyBlock(model2.layers[1], rt2, fail_on=fail_on)
+    rt2.admit_request("r", spec)
+    check = Checkpoints(rt2)
+    got = run_to_end(hunyuan_steps(model2, PagedHooks(rt2, "r"), p, prefix_capacity=HY_CAPACITY, num_steps=4,
+                                   seed=2, retries=2), check)
+    assert check.rollbacks == len(fail_on) and faulty.failed_kinds[0] == ("prefill" if fail_on == (1,) else "step")
+    assert same(got, want)
+    rt2.finish_request("r")
+    assert rt2.scheduler.allocator.num_free == rt2.pool.blocks_per_layer
+
+
+def test_a_fault_ends_the_request_cleanly_and_a_retry_on_the_same_runtime_is_exact():
+    """Request-level retry with the library's own helpers: the failed session/request is closed/aborted,
+    every block is free, and running it again under a new id gives the clean result."""
+    model, rt = paged_dreamzero()
+    rt.close()
+    want = clean_dreamzero(model, num_chunks=5, steps=2, seed=7)
+    model, rt = paged_dreamzero(model)
+    initial = rt.state()
+    original = model.blocks[2]
+    model.blocks[2] = FaultyBlock(original, rt, fail_on=(6,))  # the second commit
+    with pytest.raises(InjectedFault):
+        paged_dreamzero_rollout(model, rt, session_id="a", num_chunks=5, num_inference_steps=2, seed=7)
+    assert rt.state() == {**initial, "finished": {"a": "closed"}}
+    model.blocks[2] = original
+    got = paged_dreamzero_rollout(model, rt, session_id="b", num_chunks=5, num_inference_steps=2, seed=7)
+    assert same(got["video"], want["video"]) and same(got["actions"], want["actions"])
+
+    p = prompts([6, 10], seed=3)
+    hy, rt2 = paged_hunyuan()
+    want = paged_hunyuan_generate(hy, rt2, p, request_id="clean", prefix_capacity=HY_CAPACITY, num_steps=3, seed=1)
+    initial = rt2.state()
+    layer = hy.layers[0]
+    hy.layers[0] = FaultyBlock(layer, rt2, fail_on=(2,))  # the first step after prefill
+    with pytest.raises(InjectedFault):
+        paged_hunyuan_generate(hy, rt2, p, request_id="bad", prefix_capacity=HY_CAPACITY, num_steps=3, seed=1)
+    assert rt2.state() == {**initial, "finished": {**initial["finished"], "bad": "aborted"}}
+    hy.layers[0] = layer
+    got = paged_hunyuan_generate(hy, rt2, p, request_id="again", prefix_capacity=HY_CAPACITY, num_steps=3, seed=1)
+    assert torch.equal(got, want)
+
+
+def test_a_metadata_build_that_fails_half_way_never_serves_another_sessions_layout(monkeypatch):
+    """Two sessions share a bucket. B's metadata upload raises after its copy reached the buffers; A's next
+    denoise repeats A's last layout, so the builder would skip it and A would read B's blocks, unless a failed
+    build forgets the last key. Both sessions must still equal clean runs."""
+    model, rt = paged_dreamzero(sessions=2)
+    rt.close()
+    want_a = clean_dreamzero(model, num_chunks=4, steps=2, seed=11, sessions=2)
+    want_b = clean_dreamzero(model, num_chunks=4, steps=2, seed=12, sessions=2)
+    model, rt = paged_dreamzero(model, sessions=2)
+    out_a, out_b = {}, {}
+    a = dz_session(rt, model, "A", num_chunks=4, steps=2, seed=11, out=out_a)
+    b = dz_session(rt, model, "B", num_chunks=4, steps=2, seed=12, out=out_b, retries=1)
+    original = BucketMetadata.upload
+    armed = {"on": False}
+
+    def upload_then_fail(self):
+        original(self)
+        if armed["on"]:
+            armed["on"] = False
+            raise InjectedFault("injected after the metadata copy")
+
+    monkeypatch.setattr(BucketMetadata, "upload", upload_then_fail)
+    for _ in range(4):  # both run d d c (chunk 0's denoising steps, chunk 1's commit), then wait before a denoise
+        assert next(a)[0] == next(b)[0]
+    assert next(a) == ("denoise", 1)  # A: first denoise of chunk 1 (builds A's layout)
+    armed["on"] = True
+    assert next(b) == ("retry", "denoise")  # B: its build fails after its layout reached the buffers
+    assert next(a) == ("commit", 2)  # A: second denoise of chunk 1, the same plan key as A's last build
+    run_to_end(a)
+    run_to_end(b)
+    assert not armed["on"], "the fault was injected"
+    assert same(out_a["video"], want_a["video"]), "A read another session's layout"
+    assert same(out_b["video"], want_b["video"])
+    rt.close_session("A")
+    rt.close_session("B")
+    assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
+
+
+# ---- pool exhaustion -------------------------------------------------------------------------------------------
+def test_commit_without_room_for_every_row_takes_nothing_and_waits():
+    """A 2-row commit with room for one row only is refused before anything is taken; the session waits
+    (nothing it owns changes), continues once blocks are free, and equals a clean run."""
+    # A finished run of A keeps 2 history blocks per row (window 3 frames - chunk 1); B's first commit takes
+    # 1 block per row. A pool of 7 leaves 1 free block for B's second commit, which needs 2 (one per row).
+    model, rt = paged_dreamzero(blocks_per_layer=7)
+    rt.close()
+    want_a = clean_dreamzero(model, num_chunks=4, steps=2, seed=21, blocks_per_layer=7)
+    want_b = clean_dreamzero(model, num_chunks=3, steps=2, seed=22, blocks_per_layer=7)
+    model, rt = paged_dreamzero(model, blocks_per_layer=7)
+    out_a = {}
+    run_to_end(dz_session(rt, model, "A", num_chunks=4, steps=2, seed=21, out=out_a))
+    assert rt.scheduler.allocator.num_free == 3
+    b = dz_session(rt, model, "B", num_chunks=3, steps=2, seed=22, wait_for_capacity=True)
+    check = Checkpoints(rt)
+    events = []
+
+    def on_yield(event):
+        check(event)
+        events.append(event)
+        if event[0] == "blocked":
+            assert rt.scheduler.allocator.num_free == 1
+            assert [len(r) for r in rt.scheduler.owned_blocks()["B"]] == [1, 1], "neither row took a block"
+            rt.close_session("A")  # capacity comes back
+
+    b_result = run_to_end(b, on_yield)
+    assert events.count(("blocked", "commit")) == 1 and check.rollbacks == 1
+    assert same(out_a["video"], want_a["video"]) and same(b_result["video"], want_b["video"])
+    rt.close_session("B")
+    assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
+
+
+def test_two_row_admission_with_room_for_one_row_admits_neither_then_succeeds_exactly():
+    p_big, p_new = prompts([10, 10], seed=4), prompts([8, 9], seed=5)
+    model, rt = paged_hunyuan(blocks_per_layer=3 + 3 + 2)  # the first request (3 + 3 blocks) leaves 2 free
+    rt.admit_request("first", hunyuan_spec(HY_CFG, p_big))
+    before, kv = rt.state(), owned_kv(rt)
+    with pytest.raises(CapacityError, match="needs 5 free blocks per layer, 2 are free"):
+        rt.admit_request("second", hunyuan_spec(HY_CFG, p_new))  # row 0 (2 blocks) would fit, row 1 (3) not
+    assert rt.state() == before
+    assert_kv_equal(owned_kv(rt), kv)
+    first = run_to_end(hunyuan_steps(model, PagedHooks(rt, "first"), p_big, prefix_capacity=HY_CAPACITY,
+                                     num_steps=2, seed=0))
+    rt.finish_request("first")
+    rt.admit_request("second", hunyuan_spec(HY_CFG, p_new))  # the id was refused, never used: still valid
+    second = run_to_end(hunyuan_steps(model, PagedHooks(rt, "second"), p_new, prefix_capacity=HY_CAPACITY,
+                                      num_steps=2, seed=0))
+    rt.finish_request("second")
+    dense = HunyuanImage3Model(HY_CFG, seed=2)
+    assert same(first, hunyuan_generate(dense, p_big, prefix_capacity=HY_CAPACITY, num_steps=2, seed=0), ATOL)
+    assert same(second, hunyuan_generate(dense, p_new, prefix_capacity=HY_CAPACITY, num_steps=2, seed=0), ATOL)
+    assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
+
+
+class FlakyAllocator:
+    """Forwards to a real allocator but its next allocate() raises, as when a shared block pool (vLLM's)
+    handed the blocks to someone else between the free-count check and the allocation."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.num_blocks = inner.num_blocks
+        self.fail_next = False
+
+    @property
+    def num_free(self):
+        return self.inner.num_free
+
+    def allocate(self, n):
+        if self.fail_next:
+            self.fail_next = False
+            raise CapacityError(f"cannot allocate {n} blocks: taken by another user of the shared pool")
+        return self.inner.allocate(n)
+
+    def free(self, blocks):
+        self.inner.free(blocks)
+
+    def share(self, blocks):
+        self.inner.share(blocks)
+
+    def refcount(self, block):
+        return self.inner.refcount(block)
+
+
+def test_allocator_failure_during_a_multi_row_allocation_changes_nothing():
+    model, rt = paged_dreamzero()
+    rt.close()
+    want = clean_dreamzero(model, num_chunks=3, steps=2, seed=31)
+    model, rt = paged_dreamzero(model)
+    rt.scheduler.allocator = flaky = FlakyAllocator(rt.scheduler.allocator)
+    check = Checkpoints(rt)
+    gen = dz_session(rt, model, "s", num_chunks=3, steps=2, seed=31, wait_for_capacity=True)
+
+    def arm(event):
+        check(event)
+        if event[0] == "commit":
+            flaky.fail_next = True  # every commit's first allocation fails once
+
+    got = run_to_end(gen, arm)
+    assert check.rollbacks == 2  # two commits, each refused once and then retried
+    assert same(got["video"], want["video"])
+    flaky.fail_next = True
+    before = rt.state()
+    with pytest.raises(CapacityError, match="taken by another user"):
+        rt.admit_request("r", hunyuan_spec(HY_CFG, prompts([3, 3])))
+    assert rt.state() == before
+
+
+@pytest.mark.vllm
+def test_vllm_block_pool_multi_row_exhaustion_rolls_back_every_row():
+    """The same refusal when vLLM's BlockPool owns the blocks: no row of the refused commit keeps a block."""
+    pytest.importorskip("vllm.v1.core.block_pool", reason="vLLM's BlockPool is not importable here")
+    model, rt = paged_dreamzero(blocks_per_layer=7)
+    rt.close()
+    want = clean_dreamzero(model, num_chunks=3, steps=2, seed=41, blocks_per_layer=7)
+    model, rt = paged_dreamzero(model, blocks_per_layer=7, allocator="vllm")
+    run_to_end(dz_session(rt, model, "A", num_chunks=4, steps=2, seed=40))
+    check = Checkpoints(rt)
+    with pytest.raises(CapacityError, match="needs 2 free blocks per layer, 1 are free"):
+        run_to_end(dz_session(rt, model, "B", num_chunks=3, steps=2, seed=41), check)
+    assert rt.state() == check.state, "the refused 2-row commit took nothing"
+    assert_kv_equal(owned_kv(rt), check.kv)
+    rt.abort("B")
+    rt.close_session("A")
+    assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
+    got = run_to_end(dz_session(rt, model, "C", num_chunks=3, steps=2, seed=41))
+    assert same(got["video"], want["video"])
+    rt.close_session("C")
+
+
+# ---- aborts and evictions between forwards -------------------------------------------------------------------
+class DrivingHooks(PagedHooks):
+    """Session A's hooks; before each of A's forwards they let a callback advance or abort other sessions."""
+
+    def __init__(self, runtime, owner_id, between):
+        super().__init__(runtime, owner_id)
+        self.between = between
+        self.count = 0
+
+    def forward(self, kind, **info):
+        self.count += 1
+        self.between(self.count)  # runs while no forward is active
+        return super().forward(kind, **info)
+
+
+def test_aborting_a_session_during_its_denoising_steps_frees_it_and_leaves_others_exact():
+    """Session A runs the library's `dreamzero_rollout`; between A's forwards, B (same runtime) advances one
+    forward at a time and is aborted in the middle of its second chunk's denoising steps. A equals A alone on
+    a fresh runtime; B's finished chunks equal its dense rollout; C, admitted into B's freed blocks, is exact."""
+    dense = DreamZeroModel(DZ_CFG, seed=1)
+    dense_b = dreamzero_rollout(dense, num_chunks=6, num_inference_steps=2, seed=52)
+    dense_c = dreamzero_rollout(dense, num_chunks=3, num_inference_steps=2, seed=53)
+    model, rt = paged_dreamzero(sessions=2)
+    rt.close()
+    want_a = clean_dreamzero(model, num_chunks=6, steps=2, seed=51, sessions=2)
+    model, rt = paged_dreamzero(model, sessions=2)
+    out_b: dict = {}
+    b = dz_session(rt, model, "B", num_chunks=6, steps=2, seed=52, out=out_b)
+    seen: list = []
+    log = {}
+
+    def between(count):
+        if "aborted" in log:
+            return
+        event = next(b)  # B: d d | c d d | c d(abort before this one's sibling) ...
+        seen.append(event)
+        if event == ("denoise", 2) and seen.count(("denoise", 2)) == 2:
+            owned = rt.scheduler.owned_blocks()["B"]
+            assert any(owned), "B holds committed history when it is aborted"
+            free = rt.scheduler.allocator.num_free
+            rt.abort("B")
+            b.close()
+            log["aborted"] = count
+            assert rt.scheduler.allocator.num_free == free + sum(len(r) for r in owned)
+            assert "B" not in rt.scheduler.owners and rt.scheduler.finished["B"] == "aborted"
+            assert_no_leak(rt)
+
+    rt.open_session("A", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
+    got_a = dreamzero_rollout(model, num_chunks=6, num_inference_steps=2, seed=51,
+                              hooks=DrivingHooks(rt, "A", between))
+    rt.close_session("A")
+    assert log["aborted"] > 0
+    assert same(got_a["video"], want_a["video"]), "A's numbers depend on nothing B did"
+    assert same(got_a["actions"], want_a["actions"])
+    assert len(out_b["video"]) == 2
+    assert same(out_b["video"], dense_b["video"][:2], ATOL), "B's finished chunks are its own"
+    with pytest.raises(RequestError, match="'B' is aborted"):
+        rt.scheduler.plan_dreamzero("B", commit=False)
+    got_c = run_to_end(dz_session(rt, model, "C", num_chunks=3, steps=2, seed=53))
+    assert same(got_c["video"], dense_c["video"], ATOL)
+    rt.close_session("C")
+    assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
+
+
+def test_lru_eviction_between_forwards_ends_only_the_evicted_session():
+    dense = DreamZeroModel(DZ_CFG, seed=1)
+    want = {s: dreamzero_rollout(dense, num_chunks=4, num_inference_steps=2, seed=s) for s in (61, 62, 63)}
+    model, rt = paged_dreamzero(sessions=2, max_sessions=2)
+    outs = {s: {} for s in (61, 62, 63)}
+    gens = {61: dz_session(rt, model, "s61", num_chunks=4, steps=2, seed=61, out=outs[61]),
+            62: dz_session(rt, model, "s62", num_chunks=4, steps=2, seed=62, out=outs[62])}
+    for _ in range(5):  # both in their second chunk; 62 ran last, so 61 is least recently used
+        for g in gens.values():
+            next(g)
+    owned_61 = sum(len(r) for r in rt.scheduler.owned_blocks()["s61"])
+    free = rt.scheduler.allocator.num_free
+    gens[63] = dz_session(rt, model, "s63", num_chunks=4, steps=2, seed=63, out=outs[63])
+    assert rt.scheduler.finished["s61"] == "evicted (LRU cap on live sessions)"
+    assert rt.scheduler.allocator.num_free == free + owned_61
+    with pytest.raises(RequestError, match="'s61' is evicted"):
+        run_to_end(gens.pop(61))
+    for s in (62, 63):
+        run_to_end(gens[s])
+        assert same(outs[s]["video"], want[s]["video"], ATOL)
+    partial = outs[61]["video"]
+    assert same(partial, want[61]["video"][: len(partial)], ATOL)
+    for sid in ("s62", "s63"):
+        rt.close_session(sid)
+    assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
+
+
+def test_abort_is_refused_while_another_forward_is_in_flight():
+    model, rt = paged_dreamzero(sessions=2)
+    for sid in ("A", "B"):
+        rt.open_session(sid, DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
+    with rt.dreamzero_forward("A", commit=True):
+        before = rt.state()
+        for call in (lambda: rt.abort("B"), lambda: rt.abort("A"), lambda: rt.close_session("B"),
+                     lambda: rt.reset_window("B")):
+            with pytest.raises(RequestError, match="still in flight; finish or abort it before changing state"):
+                call()
+            assert rt.state() == before
+    assert set(rt.scheduler.owners) == {"A", "B"}
