@@ -1,0 +1,272 @@
+"""Forward time, paged vs dense, both compiled regionally with the same inner compiler.
+
+DreamZero: a denoising forward as the window fills (first chunk, half window, full window) and a
+commit forward at full window. HunyuanImage-3: the prefill and a denoising step. Then the attention
+of those forwards alone (all layers; dense cat + SDPA vs the paged op), to separate its share. The dense model's
+cache grows as the window fills, so its compiled blocks see a new shape per fill level (compiled per
+level, dynamic=False); the paged blocks compile once. Both are warmed up before timing; paged and
+dense forwards alternate within every repeat and the ratio paged/dense is taken per repeat, so the
+reported figure is the median of per-repeat ratios with its spread (min/max and interquartile range).
+Outputs of both paths are compared too (max |paged - dense|), so the two time the same computation.
+
+    python -m benchmarks.forward_time [--quick] [--json] [--inner inductor] [--configs tiny,mid] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks._common import (
+    DZ_MID,
+    DZ_TINY,
+    HY_MID,
+    HY_PROMPTS,
+    HY_TINY,
+    DreamZeroSession,
+    HunyuanRequestDriver,
+    bench_settings,
+    dreamzero_setup,
+    format_table,
+    hunyuan_setup,
+    interleaved,
+    machine_info,
+    ratio_entry,
+    warm_inductor,
+)
+
+CONFIGS = {"tiny": (DZ_TINY, HY_TINY), "mid": (DZ_MID, HY_MID)}
+#: (repeats, forwards per timed sample) per config in a full run.
+REPEATS = {"tiny": (15, 5), "mid": (10, 1)}
+
+
+def fill_levels(cfg, quick: bool = False) -> list[tuple[str, int]]:
+    """(label, chunks committed before the timed denoising forward)."""
+    per_window = cfg.window_frames // cfg.num_frame_per_block
+    levels = [("chunk 1", 0), ("half window", per_window // 2 - 1), ("full window", per_window)]
+    return [levels[0], levels[-1]] if quick else levels
+
+
+def _span(cfg, committed: int) -> int:
+    """Video keys a query of the denoised chunk attends to (plus the action registers)."""
+    return min((committed + 1) * cfg.chunk_tokens, cfg.max_attention_size)
+
+
+def host_ms(hooks, kind: str, n: int = 20) -> float:
+    """Median ms of the paged runtime's per-forward host work alone: plan + metadata + finish, no model."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with hooks.forward(kind):
+            pass
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def _diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def bench_dreamzero(name: str, cfg, inner: str, repeats: int, inner_loops: int, quick: bool) -> list[dict]:
+    dense = dreamzero_setup(cfg, "dense", inner)
+    paged = dreamzero_setup(cfg, "paged", inner)
+    history = dreamzero_setup(cfg, "eager", inner)  # builds the dense history without compiling every length
+    rows = []
+    try:
+        sd, sp = DreamZeroSession(dense, seed=0), DreamZeroSession(paged, seed=0)
+        committed = 0
+        for label, level in fill_levels(cfg, quick):
+            while committed < level:  # identical chunks on both sides (same seeds)
+                sd.model = history.model
+                sd.commit_random_chunk()
+                sd.model = dense.model
+                sp.commit_random_chunk()
+                committed += 1
+            x, a, t = sd.denoise_inputs()
+            sp.denoise_inputs()  # keep both generators in step
+            diff = _diff(sd.denoise(x, a, t), sp.denoise(x, a, t))
+            times = interleaved({"dense": lambda: sd.denoise(x, a, t), "paged": lambda: sp.denoise(x, a, t)},
+                                repeats, inner_loops)
+            span = _span(cfg, committed)
+            rows.append({
+                "family": "dreamzero", "config": name, "forward": "denoise", "fill": label,
+                "committed_chunks": committed, "keys_per_query": span + cfg.action_register_length,
+                "fill_fraction": round(span / cfg.max_attention_size, 3), **ratio_entry(times),
+                "paged_host_ms": host_ms(sp.hooks, "denoise"), "max_abs_diff": diff,
+            })
+        # A commit at full window: the paged side allocates, builds fresh metadata and evicts every time.
+        video = sd.noise(1, cfg.chunk_tokens, cfg.in_channels)
+        action = sd.noise(1, cfg.action_register_length, cfg.action_dim)
+        start = sd.start_frame
+        times = interleaved({"dense": lambda: sd.commit(video, action, start),
+                             "paged": lambda: sp.commit(video, action, start)}, repeats, inner_loops)
+        rows.append({
+            "family": "dreamzero", "config": name, "forward": "commit", "fill": "full window",
+            "committed_chunks": committed, "keys_per_query": cfg.max_attention_size + cfg.action_register_length,
+            "fill_fraction": 1.0, **ratio_entry(times), "paged_host_ms": None, "max_abs_diff": None,
+        })
+        for r in rows:
+            r["graphs_dense"], r["graphs_paged"] = dense.backend.frames, paged.backend.frames
+        sd.close()
+        sp.close()
+    finally:
+        paged.close()
+    return rows
+
+
+def bench_hunyuan(name: str, cfg, inner: str, repeats: int, inner_loops: int) -> list[dict]:
+    lens, capacity = HY_PROMPTS[name]
+    dense = hunyuan_setup(cfg, "dense", inner, max_prefix=capacity)
+    paged = hunyuan_setup(cfg, "paged", inner, max_prefix=capacity)
+    rows = []
+    try:
+        rd = HunyuanRequestDriver(dense, lens, capacity, seed=0)
+        rp = HunyuanRequestDriver(paged, lens, capacity, seed=0)
+        for forward in ("prefill", "step"):
+            fd, fp = getattr(rd, forward), getattr(rp, forward)
+            diff = float((fd() - fp()).abs().max())
+            times = interleaved({"dense": fd, "paged": fp}, repeats, inner_loops)
+            tokens = capacity + cfg.target_len if forward == "prefill" else cfg.target_len
+            rows.append({
+                "family": "hunyuan_image3", "config": name, "forward": forward,
+                "fill": f"prompts {list(lens)} / capacity {capacity}", "tokens_per_row": tokens,
+                "keys_per_query": capacity + cfg.target_len, **ratio_entry(times),
+                "paged_host_ms": host_ms(rp.hooks, forward), "max_abs_diff": diff,
+            })
+        for r in rows:
+            r["graphs_dense"], r["graphs_paged"] = dense.backend.frames, paged.backend.frames
+        rd.finish()
+        rp.finish()
+    finally:
+        paged.close()
+    return rows
+
+
+def bench_attention_only(name: str, dz_cfg, hy_cfg, repeats: int, inner_loops: int, quick: bool) -> list[dict]:
+    """The attention of the same forwards alone (all layers), at the same shapes: dense cat + SDPA vs the op.
+
+    Uses the GPU suite's workloads (benchmarks/gpu_suite.py) on the CPU with the reference kernel; it
+    separates the attention's share of the model-level ratio from the rest of the block.
+    """
+    from benchmarks import gpu_suite
+
+    dz = gpu_suite.DreamZeroGeometry(heads=dz_cfg.num_heads, head_dim=dz_cfg.head_dim,
+                                     frame_seqlen=dz_cfg.frame_seqlen, chunk_frames=dz_cfg.num_frame_per_block,
+                                     window_frames=dz_cfg.window_frames, action_tokens=dz_cfg.action_register_length)
+    lens, capacity = HY_PROMPTS[name]
+    hy = gpu_suite.HunyuanGeometry(heads=hy_cfg.num_heads, kv_heads=hy_cfg.num_kv_heads, head_dim=hy_cfg.head_dim,
+                                   image_h=hy_cfg.image_h, image_w=hy_cfg.image_w, prompts=tuple(lens),
+                                   capacity=capacity)
+    cases = [gpu_suite.dreamzero_case(dz, label, dz_cfg.num_layers, dz_cfg.frame_seqlen, torch.float32,
+                                      torch.device("cpu")) for label, _ in fill_levels(dz_cfg, quick)]
+    cases += [gpu_suite.hunyuan_case(hy, phase, hy_cfg.num_layers, 16, torch.float32, torch.device("cpu"))
+              for phase in ("prefill", "step")]
+    rows = []
+    for case in cases:
+        paged = case.paged("reference")
+        diff = max(float((a[:, case.compare_rows] - b[:, case.compare_rows]).abs().max())
+                   for a, b in zip(paged(), case.dense["dense"]()))
+        times = interleaved({"dense": case.dense["dense"], "paged": paged}, repeats, inner_loops)
+        rows.append({"family": case.family, "config": name, "attention": case.name,
+                     "keys_per_query": case.info["keys_per_query"], **ratio_entry(times), "max_abs_diff": diff})
+    return rows
+
+
+def run(quick: bool = False, inner: str | None = None, configs: list[str] | None = None,
+        repeats: int | None = None, threads: int | None = None) -> dict:
+    inner = inner or ("aot_eager" if quick else "inductor")
+    configs = configs or (["tiny"] if quick else ["tiny", "mid"])
+    t0 = time.perf_counter()
+    rows, attention = [], []
+    with bench_settings(threads or (1 if quick else None)):
+        machine = machine_info()
+        if inner == "inductor":
+            warm_inductor()
+        for name in configs:
+            reps, loops = (3, 1) if quick else REPEATS[name]
+            reps = repeats or reps
+            dz, hy = CONFIGS[name]
+            torch._dynamo.reset()
+            rows += bench_dreamzero(name, dz, inner, reps, loops, quick)
+            torch._dynamo.reset()
+            rows += bench_hunyuan(name, hy, inner, reps, loops)
+            attention += bench_attention_only(name, dz, hy, reps, loops, quick)
+    return {
+        "benchmark": "forward_time",
+        "machine": machine,
+        "settings": {"inner_compiler": inner, "kernel": "reference", "compile": "regional, fullgraph, dynamic=False",
+                     "configs": configs, "quick": quick, "dtype": "float32"},
+        "rows": rows,
+        "attention_rows": attention,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+COLUMNS = [("family", "family"), ("config", "config"), ("forward", "forward"), ("fill", "fill"),
+           ("keys/query", "keys_per_query"), ("dense ms", "dense_ms"), ("paged ms", "paged_ms"),
+           ("paged/dense median", "r_med"), ("[min, max]", "r_range"), ("IQR", "r_iqr"), ("n", "r_n"),
+           ("paged host ms", "host"), ("max |diff|", "diff"), ("graphs d/p", "graphs")]
+
+
+ATTENTION_COLUMNS = [("config", "config"), ("attention (all layers)", "attention"), ("keys/query", "keys_per_query"),
+                     ("dense ms", "dense_ms"), ("paged ms", "paged_ms"), ("paged/dense median", "r_med"),
+                     ("[min, max]", "r_range"), ("IQR", "r_iqr"), ("max |diff|", "diff")]
+
+
+def attention_table_rows(result: dict) -> list[dict]:
+    out = []
+    for r in result.get("attention_rows", []):
+        q = r["ratio"]
+        out.append({**r, "r_med": f"{q['median']:.3f}", "r_range": f"[{q['min']:.3f}, {q['max']:.3f}]",
+                    "r_iqr": f"{q['q1']:.3f}-{q['q3']:.3f}", "diff": f"{r['max_abs_diff']:.1e}"})
+    return out
+
+
+def table_rows(result: dict) -> list[dict]:
+    out = []
+    for r in result["rows"]:
+        q = r["ratio"]
+        out.append({**r, "r_med": f"{q['median']:.3f}", "r_range": f"[{q['min']:.3f}, {q['max']:.3f}]",
+                    "r_iqr": f"{q['q1']:.3f}-{q['q3']:.3f}", "r_n": q["n"],
+                    "diff": "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}",
+                    "host": "-" if r["paged_host_ms"] is None else r["paged_host_ms"],
+                    "graphs": f"{r['graphs_dense']}/{r['graphs_paged']}"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny configs, 2 fill levels, 3 repeats, aot_eager")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--inner", choices=("inductor", "aot_eager", "eager"), default=None,
+                        help="inner compiler of both paths (default: inductor; aot_eager with --quick)")
+    parser.add_argument("--configs", default=None, help="comma-separated: tiny,mid")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's; 1 with --quick)")
+    args = parser.parse_args(argv)
+    configs = args.configs.split(",") if args.configs else None
+    result = run(args.quick, args.inner, configs, args.repeats, args.threads)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    s = result["settings"]
+    print(f"forward time, paged / dense (inner compiler {s['inner_compiler']}, kernel {s['kernel']}, "
+          f"{result['machine']['torch_threads']} threads, {result['seconds']} s)")
+    print(format_table(table_rows(result), COLUMNS))
+    print("\nattention alone (dense cat + SDPA vs write_attend, reference kernel), same shapes")
+    print(format_table(attention_table_rows(result), ATTENTION_COLUMNS))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

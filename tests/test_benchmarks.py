@@ -1,0 +1,211 @@
+"""The benchmarks run (quick modes) and report what they promise; no timing thresholds anywhere.
+
+Each CPU benchmark's `main(["--quick", "--json"])` runs once (module fixture); the docs generator, the
+GPU suite's dry run and its refusal paths are checked on top of those results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import compile_cost, forward_time, gpu_suite, memory, metadata_cost, run_all  # noqa: E402
+from benchmarks._common import DZ_TINY, summarize  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """Every CPU benchmark in quick mode, once, gathered as run_all gathers them."""
+    import io
+    from contextlib import redirect_stdout
+
+    out = {"quick": True}
+    for name, module, argv in (
+        ("forward_time", forward_time, ["--quick", "--json"]),
+        ("compile_cost", compile_cost, ["--quick", "--json"]),
+        ("memory", memory, ["--quick", "--json"]),
+    ):
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            assert module.main(argv) == 0
+        out[name] = json.loads(buf.getvalue().strip().splitlines()[-1])
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert metadata_cost.main(["--repeats", "2", "--json"]) == 0
+    out["metadata_cost"] = {"benchmark": "metadata_cost", "repeats": 2,
+                            "rows": json.loads(buf.getvalue().strip().splitlines()[-1])}
+    return out
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _check_ratio(r: dict) -> None:
+    assert set(r) >= {"median", "min", "max", "q1", "q3", "n"}
+    for key in ("median", "min", "max", "q1", "q3"):
+        assert _finite_positive(r[key]), r
+    assert r["min"] <= r["q1"] <= r["median"] <= r["q3"] <= r["max"]
+
+
+def test_forward_time_quick(quick):
+    ft = quick["forward_time"]
+    assert ft["settings"]["quick"] and ft["settings"]["inner_compiler"] == "aot_eager"
+    assert {"cpu_count", "torch", "torch_threads", "loadavg_1_5_15"} <= set(ft["machine"])
+    rows = ft["rows"]
+    dz = [r for r in rows if r["family"] == "dreamzero"]
+    hy = [r for r in rows if r["family"] == "hunyuan_image3"]
+    assert [(r["forward"], r["fill"]) for r in dz] == [("denoise", "chunk 1"), ("denoise", "full window"),
+                                                       ("commit", "full window")]
+    assert [r["forward"] for r in hy] == ["prefill", "step"]
+    for r in rows:
+        _check_ratio(r["ratio"])
+        assert _finite_positive(r["paged_ms"]) and _finite_positive(r["dense_ms"])
+        if r["max_abs_diff"] is not None:  # both paths computed the same forward
+            assert r["max_abs_diff"] <= 1e-4
+    # Paged compiles once for every fill level; dense once per cache length it saw.
+    assert all(r["graphs_paged"] == 1 for r in dz)
+    assert all(r["graphs_dense"] == 2 for r in dz)
+    assert [r["fill_fraction"] for r in dz[:2]] == [0.25, 1.0]
+    assert forward_time.table_rows(ft)  # the table renders
+    attention = ft["attention_rows"]  # the same forwards' attention alone
+    assert [r["attention"] for r in attention] == ["dreamzero chunk 1", "dreamzero full window", "hunyuan prefill",
+                                                   "hunyuan step"]
+    for r in attention:
+        _check_ratio(r["ratio"])
+        assert r["max_abs_diff"] <= 1e-4
+    assert forward_time.attention_table_rows(ft)
+
+
+def test_compile_cost_quick(quick):
+    cc = quick["compile_cost"]
+    rows = cc["rows"]
+    assert {(r["family"], r["layers"], r["path"]) for r in rows} == {
+        (f, n, p) for f in ("dreamzero", "hunyuan_image3") for n in (2, 4) for p in ("dense", "paged")}
+    lengths = compile_cost.dense_cache_lengths(DZ_TINY)
+    for r in rows:
+        assert r["recompiles_when_warm"] == 0
+        assert r["cold_run_s"] > 0 and r["warm_run_s"] > 0 and r["backend_s"] >= 0
+        if r["family"] == "dreamzero":
+            assert r["graphs"] == (1 if r["path"] == "paged" else len(lengths))
+        else:
+            assert r["graphs"] == 2
+    real = cc["dreamzero_14b"]
+    assert real["dense_graphs_per_cycle"] == len(real["dense_cache_lengths_frames"]) > 1
+    assert real["paged_graphs"] == 1
+
+
+def test_memory_quick(quick):
+    mem = quick["memory"]
+    meas = mem["measured"]
+    for path in ("dense", "paged"):
+        p = meas["paths"][path]
+        for key in ("kv_reserved_bytes", "kv_held_peak_bytes", "alloc_peak_during_run_bytes",
+                    "peak_incl_reserved_bytes"):
+            assert _finite_positive(p[key]), (path, key)
+        # the measured bytes are what the arithmetic predicts
+        assert p["kv_held_peak_bytes"] == meas[f"predicted_{path}_held_bytes"]
+    assert set(meas["paths"]["paged"]["reserved_parts"]) == {"pool", "writable_standins", "metadata_buffers"}
+    real = mem["real"]
+    assert all(r["paged_runs_all"] for r in real["dreamzero"]["rows"] + real["hunyuan"]["rows"])
+    assert set(real["fit"]) == {"dreamzero_dense_held", "dreamzero_dense_peak", "dreamzero_paged",
+                                "hunyuan_dense", "hunyuan_paged"}
+    sweep = real["sweep"]
+    assert all(len(v) == len(sweep["budget_gib"]) for v in sweep.values())
+    for key in ("dreamzero_paged", "hunyuan_paged", "hunyuan_dense"):
+        assert sweep[key] == sorted(sweep[key])  # more budget never fits fewer
+    assert memory.measured_rows(mem) and all(memory.real_rows(mem))
+
+
+def test_dense_dreamzero_arithmetic():
+    cyc = memory.dreamzero_dense_cycle(DZ_TINY)  # window 8 frames of 16 tokens, chunk 2 frames
+    assert cyc == {"held_tokens_per_row": 128, "peak_tokens_per_row": 256}
+    assert memory.dense_fit(100, 30) == 3 and memory.dense_fit(100, 30, 60) == 2 and memory.dense_fit(50, 30, 60) == 0
+
+
+def test_metadata_cost_rows(quick):
+    rows = quick["metadata_cost"]["rows"]
+    assert {r["model"] for r in rows} == {"DreamZero-14B", "HunyuanImage-3"}
+    assert all(r["h2d_copies_per_forward"] <= 1 for r in rows)
+
+
+def test_run_all_regenerates_docs(quick, tmp_path):
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps(quick))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "benchmarks.md").write_text(f"# Benchmarks\n\nprose before\n\n{run_all.BEGIN}\nstale\n{run_all.END}\n\n"
+                                        "prose after\n")
+    assert run_all.main(["--from-json", str(saved), "--docs", str(docs)]) == 0
+    text = (docs / "benchmarks.md").read_text()
+    assert "prose before" in text and "prose after" in text and "stale" not in text
+    assert text.count(run_all.BEGIN) == 1 and text.count(run_all.END) == 1
+    for png in ("bench_forward_ratio.png", "bench_capacity.png"):
+        assert f"]({png})" in text
+        assert (docs / png).read_bytes()[:8] == PNG_MAGIC
+    assert "paged/dense median" in text and "HunyuanImage-3" in text and "attention (all layers)" in text
+
+
+def test_run_all_runs_benchmarks(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert run_all.main(["--quick", "--only", "metadata_cost", "--no-docs", "--json-out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["metadata_cost"]["rows"] and data["machine_start"]["cpu_count"]
+
+
+def test_gpu_suite_dry_run(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    assert gpu_suite.main(["--dry-run", "--layers", "1", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["dry_run"] and report["device"] == "cpu"
+    expected = ["reference"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+    assert report["kernels"] == {"dreamzero": expected, "hunyuan": expected}
+    names = [c["case"] for c in report["cases"]]
+    assert names == ["dreamzero chunk 1", "dreamzero half window", "dreamzero full window", "hunyuan prefill",
+                     "hunyuan step"]
+    for case in report["cases"]:
+        assert not case["errors"]
+        want = {"dense"} | {f"paged:{k}" for k in expected} | ({"dense+stack"} if case["family"] == "dreamzero"
+                                                              else set())
+        assert set(case["variants"]) == want
+        for name, v in case["variants"].items():
+            assert v["max_abs_diff_vs_dense"] <= 1e-4, (case["case"], name)
+            assert _finite_positive(v["eager_ms"]) and _finite_positive(v["graph_ms"])
+            _check_ratio(v["eager_ratio_vs_dense_eager"])
+            assert v["transient_peak_bytes"] >= 0 and v["memory_source"]
+    assert "DRY RUN" in capsys.readouterr().out
+
+
+def test_gpu_suite_refuses_unavailable_kernels(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    rc = gpu_suite.main(["--dry-run", "--kernels", "reference,flash_attn", "--out", str(out)])
+    assert rc == gpu_suite.EXIT_UNAVAILABLE
+    err = capsys.readouterr().err
+    assert "kernel 'flash_attn' is unavailable" in err and "--kernels" in err
+    assert not out.exists()  # nothing ran
+
+
+def test_gpu_suite_needs_cuda_without_dry_run(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the real suite would run")
+    assert gpu_suite.main([]) == gpu_suite.EXIT_UNAVAILABLE
+    assert "--dry-run" in capsys.readouterr().err
+
+
+def test_summarize():
+    s = summarize([1.0, 2.0, 3.0, 4.0])
+    assert s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 4.0 and s["q1"] <= s["median"] <= s["q3"]
+    assert summarize([2.0])["q1"] == 2.0
