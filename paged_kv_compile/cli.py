@@ -430,7 +430,9 @@ def cmd_bench(args) -> int:
         for name, path in found.items():
             print(f"{name}\t{path}")
         return 0
-    names = args.names or list(found)
+    # Default: run_all (every CPU benchmark once, docs regenerated), not each script plus run_all plus
+    # the GPU suite (which needs a GPU and exits 2 without one).
+    names = args.names or (["run_all"] if "run_all" in found else list(found))
     unknown = [n for n in names if n not in found]
     if unknown:
         raise UsageError(f"unknown benchmark(s) {unknown}; available: {', '.join(found)}")
@@ -482,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for the dumps")
     p.set_defaults(func=cmd_dump)
     p = sub.add_parser("bench", help="run benchmarks/<name>.py scripts (their main(argv)); args after --")
-    p.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    p.add_argument("names", nargs="*", help="benchmarks to run (default: run_all, every CPU benchmark)")
     p.add_argument("--list", action="store_true", help="list the benchmarks found")
     p.add_argument("--dir", default=None, help="benchmark directory (default: ./benchmarks, else the source tree's)")
     p.set_defaults(func=cmd_bench, bench_args=[])
