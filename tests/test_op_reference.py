@@ -38,9 +38,21 @@ def geometries(draw) -> dict:
     )
 
 
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["cpu-used-span", "device-path"])
 @settings(max_examples=60, deadline=None)
-@given(geometries())
-def test_reference_matches_dense_oracle_and_writes_only_its_slots(geometry):
+@given(geometry=geometries())
+def test_reference_matches_dense_oracle_and_writes_only_its_slots(host_lengths, geometry):
+    """Both reference paths: the CPU one (lengths read on the host) and the device one (full table, mask)."""
+    from paged_kv_compile.ops import reference
+
+    previous, reference.HOST_LENGTHS_ON_CPU = reference.HOST_LENGTHS_ON_CPU, host_lengths
+    try:
+        _check_reference(geometry)
+    finally:
+        reference.HOST_LENGTHS_ON_CPU = previous
+
+
+def _check_reference(geometry):
     case = make_case(**geometry)
     before = case.pool.clone()
     out = write_attend(*case.args(), case.scale, "reference")

@@ -12,6 +12,11 @@ import torch
 import torch.nn.functional as F
 
 
+#: On CPU tensors, read the lengths on the host and attend over the used span only (see
+#: `_attend_used_span`). Tests turn it off to exercise the device path (full table, mask) on the CPU.
+HOST_LENGTHS_ON_CPU = True
+
+
 def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Copy key/value ``[R, T, Hkv, D]`` into the pool's flat slots; tokens with slot -1 write nothing.
 
@@ -58,8 +63,10 @@ def attend(
     scale: float,
 ) -> torch.Tensor:
     """Attention of ``query [R, T, Hq, D]`` over each row's blocks; zeros for queries that see nothing."""
-    R, _, Hq, D = query.shape
+    R, T, Hq, D = query.shape
     _, _, B, Hkv, _ = kv_pool.shape
+    if HOST_LENGTHS_ON_CPU and query.device.type == "cpu" and R:
+        return _attend_used_span(query, kv_pool, block_table, seq_lens, kv_visible_end, scale)
     M = block_table.shape[1]
     kv = kv_pool.index_select(1, block_table.reshape(-1)).view(2, R, M * B, Hkv, D).transpose(2, 3)
     mask = visible_mask(seq_lens, kv_visible_end, M * B)
@@ -69,6 +76,40 @@ def attend(
         query.transpose(1, 2), kv[0], kv[1], attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=Hq != Hkv
     )
     return zero_padded_queries(attn.transpose(1, 2), seq_lens, kv_visible_end)
+
+
+def _attend_used_span(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_visible_end: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """CPU path: lengths are host values here, so gather only the blocks in use, and drop the mask
+    when every query sees its whole row (DreamZero's window) so SDPA can take its fused kernel.
+
+    The padded table width and the all-rows mask are what fixed shapes cost on a device that must not
+    read lengths; on the CPU nothing is captured and reading them is free.
+    """
+    R, T, Hq, D = query.shape
+    _, _, B, Hkv, _ = kv_pool.shape
+    length = int(seq_lens.max())
+    if length == 0:
+        return query.new_zeros(query.shape)
+    blocks = -(-length // B)
+    kv = kv_pool.index_select(1, block_table[:, :blocks].reshape(-1)).view(2, R, blocks * B, Hkv, D)
+    kv = kv[:, :, :length].transpose(2, 3)
+    full = bool((seq_lens == length).all()) and bool((kv_visible_end == length).all())
+    mask = None
+    if not full:
+        mask = visible_mask(seq_lens, kv_visible_end, length)
+        mask[:, :, 0] |= ~mask.any(-1)  # a query that sees nothing: dummy key 0, zeroed below
+        mask = mask.unsqueeze(1)
+    attn = F.scaled_dot_product_attention(
+        query.transpose(1, 2), kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv
+    ).transpose(1, 2)
+    return attn.contiguous() if full else zero_padded_queries(attn, seq_lens, kv_visible_end)
 
 
 def run(
