@@ -90,7 +90,6 @@ class _Owner:
     family: str
     spec: DreamZeroSpec | HunyuanSpec
     rows: list[list[int]]
-    history_tokens: int = 0  # DreamZero: committed tokens since the last window reset
     prefilled: bool = False  # HunyuanImage-3
     version: int = 0  # bumped whenever the blocks change: keys the metadata cache
 
@@ -297,7 +296,6 @@ class Scheduler:
             if row:
                 self.allocator.free(row)
         owner.rows = [[] for _ in owner.rows]
-        owner.history_tokens = 0
         owner.version += 1
 
     def close_session(self, session_id: str) -> None:
@@ -392,7 +390,6 @@ class Scheduler:
                 if evicted:
                     self.allocator.free(evicted)
                 owner.rows[r] = sink + kept
-            owner.history_tokens += spec.chunk_tokens
             owner.version += 1
         elif plan.kind == "prefill":
             owner.prefilled = True
