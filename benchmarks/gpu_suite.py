@@ -49,6 +49,8 @@ from paged_kv_compile.metadata import MetadataBuilder
 from paged_kv_compile.ops import resolve_kernel
 from paged_kv_compile.ops import write_attend as write_attend_module
 from paged_kv_compile.ops.reference import write_kv
+from paged_kv_compile.models.dreamzero import DREAMZERO_14B
+from paged_kv_compile.models.hunyuan_image3 import HUNYUAN_IMAGE3
 from paged_kv_compile.pool import KVPool
 from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec, Scheduler
 
@@ -57,21 +59,25 @@ EXIT_UNAVAILABLE = 2
 
 @dataclass(frozen=True)
 class DreamZeroGeometry:
-    heads: int = 40
-    head_dim: int = 128
-    frame_seqlen: int = 880
-    chunk_frames: int = 2
-    window_frames: int = 21
-    action_tokens: int = 33
+    """Attention geometry of a DreamZero step; defaults are the real model's (DREAMZERO_14B)."""
+
+    heads: int = DREAMZERO_14B.num_heads
+    head_dim: int = DREAMZERO_14B.head_dim
+    frame_seqlen: int = DREAMZERO_14B.frame_seqlen
+    chunk_frames: int = DREAMZERO_14B.num_frame_per_block
+    window_frames: int = DREAMZERO_14B.window_frames
+    action_tokens: int = DREAMZERO_14B.action_register_length
 
 
 @dataclass(frozen=True)
 class HunyuanGeometry:
-    heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    image_h: int = 64
-    image_w: int = 64
+    """Attention geometry of a HunyuanImage-3 request; defaults are the real model's (HUNYUAN_IMAGE3)."""
+
+    heads: int = HUNYUAN_IMAGE3.num_heads
+    kv_heads: int = HUNYUAN_IMAGE3.num_kv_heads
+    head_dim: int = HUNYUAN_IMAGE3.head_dim
+    image_h: int = HUNYUAN_IMAGE3.image_h
+    image_w: int = HUNYUAN_IMAGE3.image_w
     prompts: tuple[int, int] = (1000, 300)
     capacity: int = 1024
 
