@@ -56,3 +56,16 @@ def raises_paged(exc_type, match: str):
         assert re.search(match, str(err)), f"{match!r} not in: {err}"
     else:
         raise AssertionError(f"{exc_type.__name__} was not raised")
+
+
+def hunyuan_qkv(attention, hidden_states, rope_cos, rope_sin):
+    """HunyuanImage-3's projections, qk-norm and RoPE, for tests that rewrite the rest of its attention."""
+    from paged_kv_compile.models.common import apply_rope_2d
+
+    b, s, _ = hidden_states.shape
+    Hq, Hkv, D = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    q, k, v = attention.qkv_proj(hidden_states).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(b, s, Hq, D), k.view(b, s, Hkv, D), v.view(b, s, Hkv, D)
+    q, k = attention.query_layernorm(q), attention.key_layernorm(k)
+    q, k = apply_rope_2d(q, k, rope_cos, rope_sin)
+    return q, k, v

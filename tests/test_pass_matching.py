@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CountingBackend, compile_blocks, raises_paged
+from helpers import CountingBackend, compile_blocks, hunyuan_qkv, raises_paged
 
 from paged_kv_compile import PassError
 from paged_kv_compile.driver import (
@@ -21,7 +21,7 @@ from paged_kv_compile.driver import (
 )
 from paged_kv_compile.models import dreamzero as dz
 from paged_kv_compile.models import hunyuan_image3 as hy
-from paged_kv_compile.models.common import apply_rope_2d, apply_rope_3d
+from paged_kv_compile.models.common import apply_rope_3d
 from paged_kv_compile.runtime import PagedKVRuntime
 
 ATOL = 1e-5
@@ -61,21 +61,11 @@ def dreamzero_bhsd_concat(self, x, rope_cos, rope_sin, kv_cache):
     return self.o(out.flatten(2)), torch.stack([new_k.transpose(1, 2), new_v.transpose(1, 2)])
 
 
-def _hunyuan_projections(self, hidden_states, rope_cos, rope_sin):
-    b, s, _ = hidden_states.shape
-    Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-    q, k, v = self.qkv_proj(hidden_states).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-    q, k, v = q.view(b, s, Hq, D), k.view(b, s, Hkv, D), v.view(b, s, Hkv, D)
-    q, k = self.query_layernorm(q), self.key_layernorm(k)
-    q, k = apply_rope_2d(q, k, rope_cos, rope_sin)
-    return q, k, v
-
-
 def hunyuan_additive_interleave(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value,
                                 prefix_valid, mode):
     """Prefix idiom with torch.concat, repeat_interleave GQA and an additive float mask."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hunyuan_projections(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     if mode == "prefill":
         past_key_value.store(k, v, prefix_valid)
     else:
@@ -91,7 +81,7 @@ def hunyuan_additive_interleave(self, hidden_states, rope_cos, rope_sin, attenti
 def hunyuan_tiled_gqa(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """Another GQA head mapping (query head h uses kv head h % Hkv): not what the paged op computes."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hunyuan_projections(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     if mode == "prefill":
         past_key_value.store(k, v, prefix_valid)
     else:

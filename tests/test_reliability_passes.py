@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CountingBackend, compile_blocks, raises_paged
+from helpers import CountingBackend, compile_blocks, hunyuan_qkv, raises_paged
 
 from paged_kv_compile import PassError
 from paged_kv_compile.driver import (
@@ -216,16 +216,6 @@ def dz_unbind_cache(self, x, rope_cos, rope_sin, kv_cache):
 
 
 # ---- HunyuanImage-3 pieces ---------------------------------------------------------------------------------
-def _hy_qkv(self, hidden_states, rope_cos, rope_sin):
-    b, s, _ = hidden_states.shape
-    Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-    q, k, v = self.qkv_proj(hidden_states).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-    q, k, v = q.view(b, s, Hq, D), k.view(b, s, Hkv, D), v.view(b, s, Hkv, D)
-    q, k = self.query_layernorm(q), self.key_layernorm(k)
-    q, k = apply_rope_2d(q, k, rope_cos, rope_sin)
-    return q, k, v
-
-
 def _hy_out(self, out, b, s):
     return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -233,7 +223,7 @@ def _hy_out(self, out, b, s):
 def hy_enable_gqa(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """No repeat_kv: SDPA's enable_gqa does the head sharing (head h uses kv head h // rep)."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hy_qkv(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     if mode == "prefill":
         past_key_value.store(k, v, prefix_valid)
     else:
@@ -248,7 +238,7 @@ def hy_bhsd_expand_flatten(self, hidden_states, rope_cos, rope_sin, attention_ma
     """Prefix concat in (B, H, S, D) with torch.concatenate, GQA by expand + flatten, a where-built float mask,
     the prefill store as slice assignment, SDPA with keyword arguments."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hy_qkv(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if mode == "prefill":
         P = past_key_value.cached_key.shape[1]
@@ -268,7 +258,7 @@ def hy_bhsd_expand_flatten(self, hidden_states, rope_cos, rope_sin, attention_ma
 def hy_prefix_after_new(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """Steps read [new | prefix] (and permute the mask to match): consistent, but not the paged order."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hy_qkv(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     if mode == "prefill":
         past_key_value.store(k, v, prefix_valid)
     else:
@@ -285,7 +275,7 @@ def hy_prefix_after_new(self, hidden_states, rope_cos, rope_sin, attention_mask,
 def hy_is_causal(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """is_causal=True instead of the model's causal/bidirectional mask."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hy_qkv(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     if mode == "prefill":
         past_key_value.store(k, v, prefix_valid)
     else:
@@ -299,7 +289,7 @@ def hy_is_causal(self, hidden_states, rope_cos, rope_sin, attention_mask, past_k
 def hy_scaled_prefix(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """The cached prefix read through arithmetic (a 0.5 temperature on the prefix keys)."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hy_qkv(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     if mode == "prefill":
         past_key_value.store(k, v, prefix_valid)
     else:
@@ -314,7 +304,7 @@ def hy_scaled_prefix(self, hidden_states, rope_cos, rope_sin, attention_mask, pa
 def hy_store_scaled(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """Prefill attends with k but caches 2 * k: the later steps read something the attention never saw."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hy_qkv(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     if mode == "prefill":
         past_key_value.store(k * 2.0, v, prefix_valid)
     else:
@@ -347,7 +337,7 @@ def hy_store_before_rope(self, hidden_states, rope_cos, rope_sin, attention_mask
 def hy_prefill_dropout(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """Dropout in the prefill forward only: the prefill site is refused, the step sites alone would match."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hy_qkv(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     if mode == "prefill":
         past_key_value.store(k, v, prefix_valid)
     else:
@@ -362,7 +352,7 @@ def hy_prefill_dropout(self, hidden_states, rope_cos, rope_sin, attention_mask, 
 def hy_own_causal_mask(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """The layer narrows the mask it is given to plain causal (the image span loses its bidirectionality)."""
     b, s, _ = hidden_states.shape
-    q, k, v = _hy_qkv(self, hidden_states, rope_cos, rope_sin)
+    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
     if mode == "prefill":
         past_key_value.store(k, v, prefix_valid)
     else:
