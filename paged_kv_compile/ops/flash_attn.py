@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from .reference import write_kv, zero_padded_queries
+from .reference import zero_padded_queries
+from .reference import write_kv  # noqa: F401  the dispatcher writes new K/V with <kernel module>.write_kv
 
 #: Device types whose tensors the vendor kernels take (tests add "cpu" to drive a fake module).
 DEVICE_TYPES = ("cuda",)
@@ -108,22 +109,17 @@ def unavailable_reason(query: torch.Tensor, kv_pool: torch.Tensor, visibility: s
     return picked if isinstance(picked, str) else None
 
 
-def run(
+def attend(
     query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
     kv_pool: torch.Tensor,
-    slot_mapping: torch.Tensor | None,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     kv_visible_end: torch.Tensor,
     scale: float,
     visibility: str,
 ) -> torch.Tensor:
-    """Write the new K/V, attend with flash-attn, zero the padded queries."""
+    """Attend with flash-attn over the pool (the dispatcher wrote the new K/V), zero the padded queries."""
     flavor, mod = select(kv_pool.shape[2])
-    if key is not None:
-        write_kv(kv_pool, key, value, slot_mapping)
     causal = visibility == "causal"
     out = flavor.call(mod, query.contiguous(), kv_pool[0], kv_pool[1], block_table, seq_lens, scale, causal)
     return zero_padded_queries(out, seq_lens, kv_visible_end)

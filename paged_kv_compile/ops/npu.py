@@ -18,7 +18,8 @@ from types import ModuleType
 
 import torch
 
-from .reference import visible_mask, write_kv, zero_padded_queries
+from .reference import visible_mask, zero_padded_queries
+from .reference import write_kv  # noqa: F401  the dispatcher writes new K/V with <kernel module>.write_kv
 
 #: Device types whose tensors the NPU kernel takes (tests add "cpu" to drive a fake module).
 DEVICE_TYPES = ("npu",)
@@ -44,22 +45,17 @@ def unavailable_reason(query: torch.Tensor, kv_pool: torch.Tensor, visibility: s
     return None
 
 
-def run(
+def attend(
     query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
     kv_pool: torch.Tensor,
-    slot_mapping: torch.Tensor | None,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     kv_visible_end: torch.Tensor,
     scale: float,
     visibility: str,
 ) -> torch.Tensor:
-    """Write the new K/V, attend with the fused NPU kernel, zero the padded queries."""
+    """Attend with the fused NPU kernel (the dispatcher wrote the new K/V), zero the padded queries."""
     torch_npu = load_module()
-    if key is not None:
-        write_kv(kv_pool, key, value, slot_mapping)
     R, T, Hq, D = query.shape
     _, N, B, Hkv, _ = kv_pool.shape
     caches = kv_pool.view(2, N, B, Hkv * D)

@@ -61,8 +61,12 @@ def attend(
     seq_lens: torch.Tensor,
     kv_visible_end: torch.Tensor,
     scale: float,
+    visibility: str = "general",
 ) -> torch.Tensor:
-    """Attention of ``query [R, T, Hq, D]`` over each row's blocks; zeros for queries that see nothing."""
+    """Attention of ``query [R, T, Hq, D]`` over each row's blocks; zeros for queries that see nothing.
+
+    `visibility` is the vendor kernels' hint; this kernel computes any layout and ignores it.
+    """
     R, T, Hq, D = query.shape
     _, _, B, Hkv, _ = kv_pool.shape
     if HOST_LENGTHS_ON_CPU and query.device.type == "cpu" and R:
@@ -110,21 +114,3 @@ def _attend_used_span(
         query.transpose(1, 2), kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv
     ).transpose(1, 2)
     return attn.contiguous() if full else zero_padded_queries(attn, seq_lens, kv_visible_end)
-
-
-def run(
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    kv_pool: torch.Tensor,
-    slot_mapping: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    kv_visible_end: torch.Tensor,
-    scale: float,
-    visibility: str,
-) -> torch.Tensor:
-    """Kernel entry: write (when key is given), then attend. `visibility` is only a hint; unused here."""
-    if key is not None:
-        write_kv(kv_pool, key, value, slot_mapping)
-    return attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale)

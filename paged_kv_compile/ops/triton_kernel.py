@@ -130,8 +130,9 @@ def attend(
     seq_lens: torch.Tensor,
     kv_visible_end: torch.Tensor,
     scale: float,
+    visibility: str = "general",
 ) -> torch.Tensor:
-    """Paged attention of ``query [R, T, Hq, D]``; returns a contiguous ``[R, T, Hq, D]`` tensor."""
+    """Paged attention of ``query [R, T, Hq, D]``; returns a contiguous ``[R, T, Hq, D]`` tensor (any layout: `visibility` is ignored)."""
     _check_device(query)
     R, T, Hq, D = query.shape
     _, _, B, Hkv, _ = kv_pool.shape
@@ -153,21 +154,3 @@ def attend(
         BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
     return out
-
-
-def run(
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    kv_pool: torch.Tensor,
-    slot_mapping: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    kv_visible_end: torch.Tensor,
-    scale: float,
-    visibility: str,
-) -> torch.Tensor:
-    """Kernel entry: store (when key is given), then attend; both launches stay on the device."""
-    if key is not None:
-        write_kv(kv_pool, key, value, slot_mapping)
-    return attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale)

@@ -223,9 +223,10 @@ def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_vis
     name = resolve_kernel(kernel, query, kv_pool, visibility)
     if CHECK_VALUES and query.device.type == "cpu":
         check_values(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility)
-    return _kernel_module(name).run(
-        query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, visibility
-    )
+    module = _kernel_module(name)  # each kernel module has write_kv(...) and attend(..., visibility)
+    if key is not None:
+        module.write_kv(kv_pool, key, value, slot_mapping)
+    return module.attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, visibility)
 
 
 @torch.library.custom_op("paged_kv::write_attend", mutates_args=("kv_pool",))
