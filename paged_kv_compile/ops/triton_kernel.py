@@ -132,7 +132,10 @@ def attend(
     scale: float,
     visibility: str = "general",
 ) -> torch.Tensor:
-    """Paged attention of ``query [R, T, Hq, D]``; returns a contiguous ``[R, T, Hq, D]`` tensor (any layout: `visibility` is ignored)."""
+    """Paged attention of ``query [R, T, Hq, D]``; returns a contiguous ``[R, T, Hq, D]`` tensor.
+
+    Any visibility layout is computed from ``kv_visible_end``; the `visibility` hint is ignored.
+    """
     _check_device(query)
     R, T, Hq, D = query.shape
     _, _, B, Hkv, _ = kv_pool.shape
