@@ -37,7 +37,10 @@ def _store_kv_kernel(
     slot = tl.load(Slots + r * s_sr + t * s_st)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < H) & (d < D) & (slot >= 0)
+    # The slot test is broadcast to the tile before it joins the mask: triton >= 3.9's interpreter
+    # rejects a mask that combines a block of booleans with a loaded scalar's comparison.
+    keep = (h * 0 + slot) >= 0
+    mask = (h < H) & (d < D) & keep
     dst = Pool + slot * slot_stride + h * pool_h_stride + d
     k = tl.load(K + r * s_kr + t * s_kt + h * s_kh + d * s_kd, mask=mask)
     v = tl.load(V + r * s_vr + t * s_vt + h * s_vh + d * s_vd, mask=mask)
