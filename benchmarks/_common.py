@@ -239,7 +239,7 @@ class DreamZeroSession:
         context = self.noise(1, cfg.text_len, cfg.text_dim)
         image = self.noise(2, cfg.image_len, cfg.image_dim) if cfg.image_len else None
         self.cross_kvs = model.prepare_cross_kv(torch.cat([context, torch.zeros_like(context)]), image)
-        self.caches = self.hooks.dreamzero_caches(model, 2)
+        self.caches = self.hooks.caches(model, 2)
         self.start_frame = 0
         self.previous: tuple | None = None
         self.sigmas: list[float] = []
@@ -294,7 +294,7 @@ class DreamZeroSession:
         self.start_frame += cfg.num_frame_per_block
         if self.start_frame >= cfg.window_reset_frames:
             self.hooks.window_reset()
-            self.caches = self.hooks.dreamzero_caches(self.model, 2)
+            self.caches = self.hooks.caches(self.model, 2)
             self.start_frame, self.previous = 0, None
 
     def close(self) -> None:
@@ -320,7 +320,7 @@ class HunyuanRequestDriver:
         else:
             self.hooks = hooks or DenseHooks()
         self.req = model.build_request(prompts, capacity)
-        self.caches = self.hooks.hunyuan_caches(model, self.req.batch, capacity)
+        self.caches = self.hooks.caches(model, self.req.batch, prefix_capacity=capacity)
         self.x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen)
         self.steps_done = 0
 

@@ -22,7 +22,7 @@ from .errors import (
 from . import ops as _ops  # registers torch.ops.paged_kv
 from .pool import KVPool
 from .runtime import PagedKVRuntime
-from .scheduler import DreamZeroSpec, HunyuanSpec
+from .families import DreamZeroSpec, HunyuanSpec
 
 __all__ = [
     "__version__",

@@ -47,9 +47,12 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import binding
+from . import binding, families
 from .config import Bucket
 from .errors import ConfigError, PagedKVError, RequestError
+# Re-exported where the README and older callers import them; they live with their family.
+from .families.dreamzero import dreamzero_block_inputs, dreamzero_buckets  # noqa: F401
+from .families.hunyuan_image3 import hunyuan_buckets, hunyuan_layer_inputs  # noqa: F401
 
 FALLBACKS = ("error", "eager")
 
@@ -61,90 +64,10 @@ class CaptureError(PagedKVError, RuntimeError):
     """Warm-up or capture is impossible as asked, or a block call does not match what was captured."""
 
 
-# ---- buckets and example inputs of the two reference families ----------------------------------
-
-
-def dreamzero_buckets(model_cfg, rows: int | Sequence[int] = 2) -> tuple[Bucket, ...]:
-    """DreamZero's forwards (commit and denoise alike) have one shape per row count."""
-    rows = (rows,) if isinstance(rows, int) else tuple(rows)
-    return tuple(Bucket(r, model_cfg.tokens_per_forward, model_cfg.max_attention_size) for r in rows)
-
-
-def hunyuan_buckets(model_cfg, prefix_capacities: Sequence[int], rows: Sequence[int] = (1, 2)) -> tuple[Bucket, ...]:
-    """HunyuanImage-3: a prefill bucket (P + T tokens) and a step bucket (T tokens) per capacity and row count."""
-    T = model_cfg.target_len
-    return tuple(
-        Bucket(r, t, p) for p in prefix_capacities for r in rows for t in (p + T, T)
-    )
-
-
-def _param(model: torch.nn.Module) -> torch.Tensor:
-    return next(model.parameters())
-
-
-def dreamzero_block_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]:
-    """Arguments of one `CausalWanBlock` call of `bucket`, as `DreamZeroModel.forward` passes them."""
-    cfg, p = model.cfg, _param(model)
-    R, T, C = bucket.rows, bucket.tokens, bucket.context
-    video = T - cfg.action_register_length
-    if video <= 0 or video % cfg.frame_seqlen:
-        raise ConfigError(
-            f"bucket {bucket} cannot be a DreamZero forward: {T} tokens minus {cfg.action_register_length} "
-            f"action registers is not a positive multiple of frame_seqlen={cfg.frame_seqlen}"
-        )
-    if C != cfg.max_attention_size:
-        raise ConfigError(
-            f"bucket {bucket}: DreamZero's cache stand-ins are one window ({cfg.max_attention_size} tokens) long; "
-            "use dreamzero_buckets(model.cfg)"
-        )
-    H, D = cfg.num_heads, cfg.head_dim
-    cos, sin = model.rope_tables(0, video // cfg.frame_seqlen, p.device)
-    zeros = functools.partial(torch.zeros, dtype=p.dtype, device=p.device)
-    args = (
-        zeros(R, T, cfg.dim),  # hidden states
-        zeros(R, 6, cfg.dim),  # modulation
-        cos,
-        sin,
-        runtime.standin(2, R, C, H, D),  # what PagedHooks.dreamzero_caches hands the model
-        zeros(2, R, cfg.cross_len, H, D),  # cross-attention K/V
-    )
-    return args, {}
-
-
-def hunyuan_layer_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]:
-    """Arguments of one `HunyuanDecoderLayer` call of `bucket` (prefill or step, from the token count)."""
-    from .models.hunyuan_image3 import HunyuanKVCache
-
-    cfg, p = model.cfg, _param(model)
-    R, T, P = bucket.rows, bucket.tokens, bucket.context
-    target = cfg.target_len
-    if P < 1 or T not in (P + target, target):
-        raise ConfigError(
-            f"bucket {bucket} is not a HunyuanImage-3 forward: tokens must be prefix capacity + {target} "
-            f"(prefill) or {target} (step), with a capacity >= 1; use hunyuan_buckets(model.cfg, capacities)"
-        )
-    req = model.build_request([torch.zeros(P, dtype=torch.int64)] * R, P)
-    standin = runtime.standin(R, P, cfg.num_kv_heads, cfg.head_dim, writable=True)
-    cache = HunyuanKVCache(standin, standin)  # as PagedHooks.hunyuan_caches builds them
-    hidden = torch.zeros(R, T, cfg.hidden, dtype=p.dtype, device=p.device)
-    if T == P + target:
-        return (hidden, req.rope_cos, req.rope_sin, req.attention_mask, cache, req.prefix_valid, "prefill"), {}
-    return (hidden, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, cache, req.prefix_valid, "step"), {}
-
-
 def model_blocks_and_inputs(model, runtime) -> tuple[torch.nn.ModuleList, ExampleInputs, str]:
     """The block list, the example-input factory and the family name of a reference model."""
-    from .models.dreamzero import DreamZeroModel
-    from .models.hunyuan_image3 import HunyuanImage3Model
-
-    if isinstance(model, DreamZeroModel):
-        return model.blocks, functools.partial(dreamzero_block_inputs, model, runtime), "dreamzero"
-    if isinstance(model, HunyuanImage3Model):
-        return model.layers, functools.partial(hunyuan_layer_inputs, model, runtime), "hunyuan_image3"
-    raise ConfigError(
-        f"no example inputs known for {type(model).__name__}; build CapturedBlocks(blocks, runtime, "
-        "example_inputs=fn) with fn(bucket) -> (args, kwargs) of one block call"
-    )
+    family = families.for_model(model)
+    return family.blocks(model), functools.partial(family.example_inputs, model, runtime), family.name
 
 
 # ---- argument leaves ------------------------------------------------------------------------------
@@ -709,13 +632,14 @@ def warm_up(
 ) -> CapturedBlocks:
     """Warm up (compile, and capture on CUDA) every bucket of a reference model's compiled blocks.
 
-    `buckets` default to the runtime's configured ones, or for DreamZero to `dreamzero_buckets(cfg)`.
+    `buckets` default to the runtime's configured ones, or to the family's defaults (DreamZero:
+    `dreamzero_buckets(cfg)`).
     The blocks must already be compiled with backend="paged_kv" and bound to `runtime`. Returns the
     `CapturedBlocks` (installed into the model unless install=False); its `.report` has the timings.
     """
     blocks, inputs, family = model_blocks_and_inputs(model, runtime)
-    if buckets is None and not runtime.config.buckets and family == "dreamzero":
-        buckets = dreamzero_buckets(model.cfg)
+    if buckets is None and not runtime.config.buckets:
+        buckets = families.get(family).default_buckets(model.cfg)
     captured = CapturedBlocks(blocks, runtime, inputs, buckets=buckets, capture=capture, fallback=fallback)
     captured.warmup(progress=progress)
     if install:

@@ -55,7 +55,7 @@ class Setup:
     runtime: Any
     buckets: tuple
     run_dense: Callable[[Any], Any]  # hooks -> result
-    run_paged: Callable[[Callable[[str], Any]], Any]  # make_hooks(owner_id) -> result
+    run_paged: Callable[[Callable[[Any, str], Any]], Any]  # make_hooks(runtime, owner_id) -> result
     compare: Callable[[Any, Any], float]
     info: dict = field(default_factory=dict)
 
@@ -80,10 +80,10 @@ def _device(args) -> str:
 def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool = False) -> Setup:
     import torch
 
-    from .capture import dreamzero_buckets, hunyuan_buckets
-    from .driver import dreamzero_runtime_config, hunyuan_runtime_config, hunyuan_spec
+    from .driver import paged_dreamzero_rollout, paged_hunyuan_generate
+    from .families.dreamzero import dreamzero_buckets, dreamzero_runtime_config
+    from .families.hunyuan_image3 import hunyuan_buckets, hunyuan_runtime_config
     from .runtime import PagedKVRuntime
-    from .scheduler import DreamZeroSpec
 
     if model_name == "dreamzero":
         from .models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
@@ -101,12 +101,8 @@ def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool
                                      num_inference_steps=steps, seed=3, hooks=hooks)
 
         def run_paged(make_hooks):
-            runtime.open_session("demo", DreamZeroSpec.from_model_config(cfg), rows=2)
-            try:
-                return dreamzero_rollout(model, num_chunks=chunks, num_inference_steps=steps, seed=3,
-                                         hooks=make_hooks("demo"))
-            finally:
-                runtime.close_session("demo")
+            return paged_dreamzero_rollout(model, runtime, session_id="demo", make_hooks=make_hooks,
+                                           num_chunks=chunks, num_inference_steps=steps, seed=3)
 
         def compare(dense, paged):
             return max((dense[k].float() - paged[k].float()).abs().max().item() for k in ("video", "actions"))
@@ -135,20 +131,9 @@ def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool
                 for p in requests]
 
     def run_paged(make_hooks):
-        outs = []
-        for i, prompts in enumerate(requests):
-            rid = f"request-{i}"
-            spec = hunyuan_spec(cfg, prompts)
-            runtime.admit_request(rid, spec)
-            try:
-                cap = runtime.hunyuan_prefix_capacity(spec.prefix_lens, spec.target_len)
-                outs.append(hunyuan_generate(model, prompts, prefix_capacity=cap, num_steps=steps, seed=5,
-                                             hooks=make_hooks(rid)))
-            except BaseException:
-                runtime.abort(rid)
-                raise
-            runtime.finish_request(rid)
-        return outs
+        return [paged_hunyuan_generate(model, runtime, prompts, request_id=f"request-{i}", make_hooks=make_hooks,
+                                       num_steps=steps, seed=5)
+                for i, prompts in enumerate(requests)]
 
     def compare(dense, paged):
         return max((d.float() - p.float()).abs().max().item() for d, p in zip(dense, paged))
@@ -171,9 +156,9 @@ def _check_kernel(setup: Setup, kernel: str) -> str:
 
 
 def _compile_blocks(setup: Setup, kernel: str, inner: str) -> list:
-    from .capture import model_blocks_and_inputs
+    from . import families
 
-    blocks, _, _ = model_blocks_and_inputs(setup.model, setup.runtime)
+    blocks = families.for_model(setup.model).blocks(setup.model)
     setup.runtime.bind(blocks)
     for block in blocks:
         block.compile(backend="paged_kv", fullgraph=True, dynamic=False,
@@ -214,8 +199,12 @@ def _dense_hooks(setup: Setup, timer: _Timer, kv: dict):
     class Hooks(DenseHooks):
         kind = None
 
-        def dreamzero_caches(self, model, batch):
-            if not getattr(model, "_demo_kv_hooked", False):
+        def caches(self, model, batch, **geometry):
+            caches = super().caches(model, batch, **geometry)
+            if setup.family == "hunyuan_image3":  # preallocated: what it holds is what it reserves
+                held = sum(c.cached_key.nbytes + c.cached_value.nbytes for c in caches)
+                kv["peak"] = max(kv.get("peak", 0), held)
+            elif not getattr(model, "_demo_kv_hooked", False):  # DreamZero's caches grow: measure after commits
                 def record(module, _inputs, output):
                     if hooks.kind == "commit":  # the caches the loop keeps after a commit
                         kv.setdefault("per_layer", {})[id(module)] = output[1].nbytes
@@ -224,12 +213,6 @@ def _dense_hooks(setup: Setup, timer: _Timer, kv: dict):
                 for block in model.blocks:
                     block.register_forward_hook(record)
                 model._demo_kv_hooked = True
-            return super().dreamzero_caches(model, batch)
-
-        def hunyuan_caches(self, model, batch, prefix_capacity):
-            caches = super().hunyuan_caches(model, batch, prefix_capacity)
-            held = sum(c.cached_key.nbytes + c.cached_value.nbytes for c in caches)
-            kv["peak"] = max(kv.get("peak", 0), held)
             return caches
 
         def forward(self, kind, **info):
@@ -251,7 +234,7 @@ def _paged_hooks_factory(runtime, timer: _Timer, buckets_used: list):
                     buckets_used.append(runtime.active.bucket)
                 yield
 
-    return lambda owner: Hooks(runtime, owner)
+    return Hooks
 
 
 def _bucket_dict(b) -> dict:
@@ -380,7 +363,7 @@ def cmd_dump(args) -> int:
     from .driver import PagedHooks
 
     with debug.dump(args.out) as session:
-        setup.run_paged(lambda owner: PagedHooks(setup.runtime, owner))
+        setup.run_paged(PagedHooks)
     files = session.files()
     if args.json:
         print(json.dumps({"out": session.directory, "files": files, "graphs": len(session.graphs),

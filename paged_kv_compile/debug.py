@@ -70,7 +70,7 @@ def _report_dict(result: PassResult) -> dict:
     return {
         "sites": [dataclasses.asdict(r) for r in result.reports],
         "shape": result.shape,
-        "expect": result.expect,
+        "expect": dataclasses.asdict(result.expect) if result.expect is not None else {},
     }
 
 

@@ -18,9 +18,13 @@ from . import binding
 from .allocator import make_allocator
 from .config import Bucket, PagedKVConfig
 from .errors import RequestError
+from . import families
+from .families.base import ForwardPlan
+from .families.dreamzero import DreamZeroSpec
+from .families.hunyuan_image3 import HunyuanSpec, prefix_capacity_for
 from .metadata import BucketMetadata, MetadataBuilder
 from .pool import KVPool
-from .scheduler import DreamZeroSpec, ForwardPlan, HunyuanSpec, Scheduler
+from .scheduler import Scheduler
 
 WARMUP_OWNER = "<warm-up>"
 
@@ -106,20 +110,8 @@ class PagedKVRuntime:
         )
 
     def hunyuan_prefix_capacity(self, prefix_lens: Sequence[int], target_len: int) -> int:
-        """The padded prefix capacity a request should use: the smallest configured one that fits."""
-        longest = max(prefix_lens)
-        if not self.config.buckets:
-            return longest
-        fits = sorted(
-            b.context for b in self.config.buckets
-            if b.rows == len(prefix_lens) and b.tokens == target_len and b.context >= longest
-        )
-        if not fits:
-            raise RequestError(
-                f"no configured step bucket with rows={len(prefix_lens)}, tokens={target_len} and context >= "
-                f"{longest}; add one (and its prefill bucket) to the config"
-            )
-        return fits[0]
+        """The padded prefix capacity a HunyuanImage-3 request should use: the smallest configured one that fits."""
+        return prefix_capacity_for(self.config.buckets, prefix_lens, target_len)
 
     # ---- forwards -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -130,7 +122,7 @@ class PagedKVRuntime:
         # blocks may belong to someone else by now, so it must never run).
         if self.active is not None:
             raise RequestError("a forward is already active on this runtime; forwards do not nest")
-        self.scheduler._check_plan(plan)
+        self.scheduler.check_in_flight(plan)
         try:
             bucket = self.bucket_for(len(plan.rows), plan.tokens, plan.context)
             meta = self.metadata.build(bucket, plan.rows, plan.key)
@@ -155,7 +147,7 @@ class PagedKVRuntime:
         Otherwise the skipped layers' new history would be whatever those blocks held before.
         Forwards that drive the op directly (no compiled site) are not tracked.
         """
-        if active.plan.kind not in ("commit", "prefill") or not active.layers_seen:
+        if not active.plan.keeps_kv or not active.layers_seen:
             return
         missing = sorted(set(range(self.config.num_layers)) - active.layers_seen)
         if missing:
@@ -186,6 +178,10 @@ class PagedKVRuntime:
         finally:
             self.active = None
 
+    def forward_for(self, owner_id: str, kind: str, **info) -> contextlib.AbstractContextManager:
+        """`forward(plan)` for a forward of `kind` that the owner's family plans (info: e.g. prefix_capacity)."""
+        return self.forward(self.scheduler.plan(owner_id, kind, **info))
+
     def dreamzero_forward(self, session_id: str, *, commit: bool) -> contextlib.AbstractContextManager:
         return self.forward(self.scheduler.plan_dreamzero(session_id, commit=commit))
 
@@ -200,29 +196,18 @@ class PagedKVRuntime:
             )
         return self.active
 
-    def check_layout(self, expect: dict) -> None:
-        """A compiled site's idiom must agree with the active forward's plan (window, sink, prefix)."""
+    def check_layout(self, expect: families.Expectation | None) -> None:
+        """A compiled site's idiom must agree with the active forward's owner (window, sink, prefix)."""
         plan = self.require_active().plan
         owner = self.scheduler.owners.get(plan.owner_id)
-        family = expect.get("family")
-        if owner is None or family is None:
+        if owner is None or expect is None:
             return
-        if family != owner.family:
+        if expect.family != owner.family:
             raise RequestError(
-                f"a {family} attention site ran inside a {owner.family} forward ({plan.owner_id!r}); "
+                f"a {expect.family} attention site ran inside a {owner.family} forward ({plan.owner_id!r}); "
                 "plan the forward with the matching family helper"
             )
-        if family == "dreamzero":
-            spec = owner.spec
-            have = {"window_tokens": spec.window_tokens, "sink_tokens": spec.sink_tokens,
-                    "chunk_tokens": spec.chunk_tokens, "action_tokens": spec.action_tokens}
-            diff = {k: (expect[k], v) for k, v in have.items() if expect.get(k) != v}
-            if diff:
-                raise RequestError(
-                    f"the compiled DreamZero site and session {plan.owner_id!r} disagree on "
-                    + ", ".join(f"{k} (graph {g}, session {s})" for k, (g, s) in diff.items())
-                    + ": open the session with DreamZeroSpec.from_model_config(model.config)"
-                )
+        families.get(owner.family).check_expectation(expect, owner)
 
     def check_dense_mask(self, mask: torch.Tensor) -> None:
         """Debug: the model's dense mask must allow exactly what the runtime's layout makes visible.
@@ -252,7 +237,11 @@ class PagedKVRuntime:
                     "(prefix lengths, target length, full spans) does not describe this model's mask"
                 )
 
-    # ---- lifecycle shortcuts ------------------------------------------------------------------
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def admit(self, owner_id: str, spec, rows: int | None = None) -> None:
+        """Admit a session/request of any family (rows: CFG rows; default: what the family says)."""
+        self.scheduler.admit(owner_id, spec, rows)
+
     def open_session(self, session_id: str, spec: DreamZeroSpec, rows: int = 2) -> None:
         self.scheduler.open_session(session_id, spec, rows)
 

@@ -44,9 +44,9 @@ class RecordingHooks(DenseHooks):
         self.events: list[tuple] = []
         self.kind: str | None = None
 
-    def dreamzero_caches(self, model, batch):
+    def caches(self, model, batch, **geometry):
         self.events.append(("caches", batch))
-        return super().dreamzero_caches(model, batch)
+        return super().caches(model, batch, **geometry)
 
     @contextlib.contextmanager
     def forward(self, kind, **info):
@@ -147,7 +147,7 @@ def test_block_window_keeps_last_tokens(model, sink_model, use_sink, cache_len):
 
 def test_update_flag_is_consumed_by_the_model(model):
     cfg = model.cfg
-    caches = DenseHooks().dreamzero_caches(model, 2)
+    caches = DenseHooks().caches(model, 2)
     cross = model.prepare_cross_kv(torch.randn(2, cfg.text_len, cfg.text_dim))
     lat = torch.randn(2, cfg.chunk_tokens, cfg.in_channels)
     act = torch.randn(2, cfg.action_register_length, cfg.action_dim)

@@ -41,9 +41,9 @@ class RecordingHooks(DenseHooks):
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    def hunyuan_caches(self, model, batch, prefix_capacity):
+    def caches(self, model, batch, *, prefix_capacity):
         self.events.append(("caches", batch, prefix_capacity))
-        return super().hunyuan_caches(model, batch, prefix_capacity)
+        return super().caches(model, batch, prefix_capacity=prefix_capacity)
 
     @contextlib.contextmanager
     def forward(self, kind, **info):
@@ -113,12 +113,12 @@ def test_layer_step_equals_prefill_restricted_to_target(model):
     prefix_hidden = torch.randn(2, P, model.cfg.hidden, generator=g)
     tgt_a, tgt_b = target_embeds(model, 2, 1, 900.0), target_embeds(model, 2, 2, 400.0)
     with torch.no_grad():
-        cache = DenseHooks().hunyuan_caches(model, 2, P)[0]
+        cache = DenseHooks().caches(model, 2, prefix_capacity=P)[0]
         layer(torch.cat([prefix_hidden, tgt_a], 1), req.rope_cos, req.rope_sin, req.attention_mask, cache,
               req.prefix_valid, "prefill")  # fmt: skip
         step = layer(tgt_b, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, cache,
                      req.prefix_valid, "step")  # fmt: skip
-        fresh = DenseHooks().hunyuan_caches(model, 2, P)[0]
+        fresh = DenseHooks().caches(model, 2, prefix_capacity=P)[0]
         full = layer(torch.cat([prefix_hidden, tgt_b], 1), req.rope_cos, req.rope_sin, req.attention_mask,
                      fresh, req.prefix_valid, "prefill")  # fmt: skip
     torch.testing.assert_close(step, full[:, P:], rtol=1e-5, atol=1e-5)
@@ -130,13 +130,13 @@ def test_model_step_equals_prefill_restricted_to_target(model):
     req = model.build_request(PROMPTS, P)
     tgt_a, tgt_b = target_embeds(model, 2, 3, 1000.0), target_embeds(model, 2, 4, 250.0)
     with torch.no_grad():
-        caches = DenseHooks().hunyuan_caches(model, 2, P)
+        caches = DenseHooks().caches(model, 2, prefix_capacity=P)
         model(torch.cat([req.prefix_embeds, tgt_a], 1), req.rope_cos, req.rope_sin, req.attention_mask,
               caches, req.prefix_valid, "prefill")  # fmt: skip
         step = model(tgt_b, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, caches,
                      req.prefix_valid, "step")  # fmt: skip
         full = model(torch.cat([req.prefix_embeds, tgt_b], 1), req.rope_cos, req.rope_sin, req.attention_mask,
-                     DenseHooks().hunyuan_caches(model, 2, P), req.prefix_valid, "prefill")  # fmt: skip
+                     DenseHooks().caches(model, 2, prefix_capacity=P), req.prefix_valid, "prefill")  # fmt: skip
     torch.testing.assert_close(step, full[:, P:], rtol=1e-5, atol=1e-5)
 
 
@@ -147,9 +147,9 @@ def test_cfg_rows_are_independent_of_each_other_and_of_padding(model):
     tgt = target_embeds(model, 2, 5, 700.0)
     with torch.no_grad():
         h2 = model(torch.cat([two.prefix_embeds, tgt], 1), two.rope_cos, two.rope_sin, two.attention_mask,
-                   DenseHooks().hunyuan_caches(model, 2, P), two.prefix_valid, "prefill")  # fmt: skip
+                   DenseHooks().caches(model, 2, prefix_capacity=P), two.prefix_valid, "prefill")  # fmt: skip
         h1 = model(torch.cat([one.prefix_embeds, tgt[1:]], 1), one.rope_cos, one.rope_sin, one.attention_mask,
-                   DenseHooks().hunyuan_caches(model, 1, 3), one.prefix_valid, "prefill")  # fmt: skip
+                   DenseHooks().caches(model, 1, prefix_capacity=3), one.prefix_valid, "prefill")  # fmt: skip
     torch.testing.assert_close(h2[1:, P:], h1[:, 3:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h2[1:, :3], h1[:, :3], rtol=1e-5, atol=1e-5)
 
@@ -202,7 +202,7 @@ def _layer_both_modes(model, layer):
     g = torch.Generator().manual_seed(7)
     full = torch.randn(2, P + model.cfg.target_len, model.cfg.hidden, generator=g)
     tgt = torch.randn(2, model.cfg.target_len, model.cfg.hidden, generator=g)
-    cache = DenseHooks().hunyuan_caches(model, 2, P)[0]
+    cache = DenseHooks().caches(model, 2, prefix_capacity=P)[0]
     with torch.no_grad():
         out_prefill = layer(full, req.rope_cos, req.rope_sin, req.attention_mask, cache, req.prefix_valid, "prefill")
         stored = (cache.cached_key.clone(), cache.cached_value.clone())

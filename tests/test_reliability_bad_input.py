@@ -432,7 +432,7 @@ def test_a_block_of_another_bucket_than_the_active_forward_is_refused():
     prompts = [torch.randint(0, cfg.vocab, (n,), generator=g) for n in (7, 4)]
     rt.admit_request("r", hunyuan_spec(cfg, prompts))
     req = model.build_request(prompts, 8)
-    caches = PagedHooks(rt, "r").hunyuan_caches(model, 2, 8)
+    caches = PagedHooks(rt, "r").caches(model, 2, prefix_capacity=8)
     target = model.embed_target(torch.randn(2, cfg.image_tokens, cfg.latent_channels, generator=g), torch.zeros(2))
     with rt.hunyuan_forward("r", phase="prefill", prefix_capacity=8):
         model(torch.cat([req.prefix_embeds, target], 1), req.rope_cos, req.rope_sin, req.attention_mask, caches,

@@ -90,7 +90,7 @@ def dreamzero_steps(model, hooks, *, num_chunks: int, steps: int, seed: int, out
     context = torch.cat([context, torch.zeros_like(context)])
     image_context = noise(1, cfg.image_len, cfg.image_dim).expand(2, -1, -1) if cfg.image_len else None
     cross_kvs = model.prepare_cross_kv(context, image_context)
-    caches = hooks.dreamzero_caches(model, 2)
+    caches = hooks.caches(model, 2)
     sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
     L, A = cfg.chunk_tokens, cfg.action_register_length
     start, previous = 0, None
@@ -121,7 +121,7 @@ def dreamzero_steps(model, hooks, *, num_chunks: int, steps: int, seed: int, out
         start += cfg.num_frame_per_block
         if start >= cfg.window_reset_frames:
             hooks.window_reset()
-            caches = hooks.dreamzero_caches(model, 2)
+            caches = hooks.caches(model, 2)
             start, previous = 0, None
     return out
 
@@ -135,7 +135,7 @@ def hunyuan_steps(model, hooks, prompts, *, prefix_capacity: int, num_steps: int
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen)
     sigmas = torch.linspace(1.0, 0.0, num_steps + 1).tolist()
-    caches = hooks.hunyuan_caches(model, b, P)
+    caches = hooks.caches(model, b, prefix_capacity=P)
     info = dict(prefix_lens=list(req.prefix_lens), prefix_capacity=P, target_len=cfg.target_len)
     for i in range(num_steps):
         t = torch.full((b,), sigmas[i] * 1000.0)
@@ -183,7 +183,7 @@ def owned_kv(rt: PagedKVRuntime) -> dict[str, torch.Tensor]:
             if owner.family == "dreamzero":
                 valid = len(row) * B
             else:
-                valid = owner.spec.prefix_lens[r] if owner.prefilled else 0
+                valid = owner.spec.prefix_lens[r] if "prefill" in owner.phases_done else 0
             pos = torch.arange(valid)
             local = torch.tensor(row, dtype=torch.int64)[pos // B] if valid else pos
             slots.append(local * B + pos % B)

@@ -234,7 +234,7 @@ class Lifecycles(RuleBasedStateMachine):
     def hunyuan_forward(self, data, fail):
         rid = data.draw(st.sampled_from(self._live("hunyuan_image3")))
         owner = self.rt.scheduler.owners[rid]
-        phase = "step" if owner.prefilled else "prefill"
+        phase = "step" if "prefill" in owner.phases_done else "prefill"
         plan = self.rt.scheduler.plan_hunyuan(rid, phase=phase, prefix_capacity=max(owner.spec.prefix_lens))
         run_forward(self.rt, plan, fail=fail)
 

@@ -352,6 +352,14 @@ class DreamZeroModel(nn.Module):
         )
 
     # ---- eager-side helpers (never inside a block) -------------------------------------------
+    def dense_caches(self, batch: int) -> list[torch.Tensor]:
+        """Per layer an empty cache (2, batch, 0, H, D): K at [0], V at [1]; it grows by concat."""
+        cfg, p = self.cfg, next(self.parameters())
+        return [
+            torch.zeros(2, batch, 0, cfg.num_heads, cfg.head_dim, dtype=p.dtype, device=p.device)
+            for _ in range(cfg.num_layers)
+        ]
+
     def rope_tables(
         self, start_frame: int, num_frames: int, device: torch.device | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,7 +462,7 @@ def dreamzero_rollout(
          (`hooks.forward("denoise", start_frame=..., step=i)`, `update_kv_cache=False`), CFG
          combine v = v_u + g (v_c - v_u), Euler step x += (t_next - t) v from seeded noise;
       3. advance current_start_frame by num_frame_per_block; when it reaches window_reset_frames:
-         `hooks.window_reset()`, fresh caches from `hooks.dreamzero_caches`, current_start_frame = 0,
+         `hooks.window_reset()`, fresh caches from `hooks.caches`, current_start_frame = 0,
          nothing to commit next.
     context (1, text_len, text_dim) / image_context (1, image_len, image_dim) default to seeded
     random features. Returns dict(video (num_chunks, chunk_tokens, in_channels), actions
@@ -481,7 +489,7 @@ def dreamzero_rollout(
     if image_context is not None:
         image_context = image_context.expand(2, -1, -1)  # both branches see the image
     cross_kvs = model.prepare_cross_kv(context, image_context)
-    caches = hooks.dreamzero_caches(model, 2)
+    caches = hooks.caches(model, 2)
 
     sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
     L, A = cfg.chunk_tokens, cfg.action_register_length
@@ -516,7 +524,7 @@ def dreamzero_rollout(
         current_start_frame += cfg.num_frame_per_block
         if current_start_frame >= cfg.window_reset_frames:
             hooks.window_reset()
-            caches = hooks.dreamzero_caches(model, 2)
+            caches = hooks.caches(model, 2)
             current_start_frame, previous = 0, None
             resets.append(chunk)
     return {

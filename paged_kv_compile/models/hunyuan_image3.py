@@ -341,6 +341,18 @@ class HunyuanImage3Model(nn.Module):
         )
 
     # ---- eager-side helpers ------------------------------------------------------------------
+    def dense_caches(self, batch: int, prefix_capacity: int) -> list[HunyuanKVCache]:
+        """Per layer a preallocated prefix cache of zeros (batch, prefix_capacity, Hkv, D)."""
+        cfg, p = self.cfg, next(self.parameters())
+        shape = (batch, prefix_capacity, cfg.num_kv_heads, cfg.head_dim)
+        return [
+            HunyuanKVCache(
+                torch.zeros(shape, dtype=p.dtype, device=p.device),
+                torch.zeros(shape, dtype=p.dtype, device=p.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
     def build_request(self, prompts: list[torch.Tensor], prefix_capacity: int | None = None) -> HunyuanRequest:
         """Embeddings of the prefix, RoPE tables, mask and validity for 1 or 2 rows (CFG)."""
         cfg = self.cfg
@@ -449,7 +461,7 @@ def hunyuan_generate(
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen).to(device=p.device, dtype=p.dtype)
     sigmas = torch.linspace(1.0, 0.0, num_steps + 1).tolist()
-    caches = hooks.hunyuan_caches(model, b, P)
+    caches = hooks.caches(model, b, prefix_capacity=P)
     info = dict(prefix_lens=list(req.prefix_lens), prefix_capacity=P, target_len=cfg.target_len)
     for i in range(num_steps):
         t = torch.full((b,), sigmas[i] * 1000.0, device=p.device)

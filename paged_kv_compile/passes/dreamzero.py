@@ -9,6 +9,7 @@ window/sink plan supplies exactly those history positions from the pool.
 
 from __future__ import annotations
 
+from ..families.dreamzero import DreamZeroExpect
 from .site import Match, Site
 
 
@@ -30,11 +31,7 @@ def match(site: Site) -> Match | str:
         sink += 1
     if hist[sink:] != list(range(sink + chunk, window)):
         return "history positions are not a sink followed by the most recent window tokens"
-    expect = {
-        "family": "dreamzero",
-        "window_tokens": window,
-        "sink_tokens": sink,
-        "chunk_tokens": chunk,
-        "action_tokens": sum(site.new_sizes[1:]),
-    }
+    expect = DreamZeroExpect(
+        window_tokens=window, sink_tokens=sink, chunk_tokens=chunk, action_tokens=sum(site.new_sizes[1:])
+    )
     return Match("dreamzero-window", expect, visibility="full")

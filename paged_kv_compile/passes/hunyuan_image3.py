@@ -15,6 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..families.hunyuan_image3 import HunyuanExpect
 from .common import ancestors, is_movement
 from .site import Match, Site
 
@@ -63,9 +64,9 @@ def match(site: Site) -> Match | str:
             return "a later step must read the whole cached prefix [0, P) in order before the new tokens"
         if len(site.new_sizes) != 1:
             return "a later step appends one new key tensor after the prefix"
-        return Match("hunyuan-prefix-step", {"family": "hunyuan_image3", "prefix_capacity": prefix})
+        return Match("hunyuan-prefix-step", HunyuanExpect(prefix))
     if not site.stores:
         return "no cached prefix is read and none is stored: not a KV-cache site"
     if len(site.new_sizes) != 1:
         return "prefill attends over one freshly projected key tensor"
-    return Match("hunyuan-prefill", {"family": "hunyuan_image3", "prefix_capacity": site.store_seq_len})
+    return Match("hunyuan-prefill", HunyuanExpect(site.store_seq_len))

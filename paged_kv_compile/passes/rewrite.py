@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PassError
+from ..families.base import Expectation
 from . import dreamzero, hunyuan_image3
 from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, to_bshd
 from .site import Match, Site, analyze, store_nodes
@@ -48,7 +49,7 @@ class PassResult:
     graph_module: fx.GraphModule
     reports: list[SiteReport]
     sites: list[RewrittenSite] = field(default_factory=list)
-    expect: dict = field(default_factory=dict)
+    expect: Expectation | None = None  # what every rewritten site of the graph assumes of the forward
     shape: tuple[int, int, int] | None = None  # (rows, tokens, context) the graph was compiled for
 
     @property
@@ -152,9 +153,8 @@ def rewrite(
         shapes = set()
         for site, match, _ in matched:
             q = example(site.node)  # (B, H, T, D)
-            context = match.expect.get("window_tokens", match.expect.get("prefix_capacity", 0))
-            shapes.add((q.shape[0], q.shape[2], context))
-            if result.expect and result.expect != match.expect:
+            shapes.add((q.shape[0], q.shape[2], match.expect.context))
+            if result.expect is not None and result.expect != match.expect:
                 raise PassError(f"sites of one graph disagree on their layout: {result.expect} vs {match.expect}")
             result.expect = match.expect
         if len(shapes) != 1:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..families.base import Expectation
 from .common import LeafUse, Provenance, ancestors, example, find_parameter, movement_leaves, provenance, sdpa_args
 
 STORE_METHODS = {"copy_", "__setitem__", "index_put_", "index_copy_", "fill_", "zero_", "masked_fill_"}
@@ -20,13 +21,13 @@ STORE_METHODS = {"copy_", "__setitem__", "index_put_", "index_copy_", "fill_", "
 
 @dataclass
 class Match:
-    """A family idiom recognized at a site; `expect` is checked against the runtime's plan at call time.
+    """A family idiom recognized at a site; `expect` is checked against the live owner at call time.
 
     visibility: the op's hint for vendor kernels: "full" when every query sees its whole row.
     """
 
     pattern: str
-    expect: dict
+    expect: Expectation
     visibility: str = "general"
 
 

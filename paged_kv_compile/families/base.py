@@ -1,0 +1,137 @@
+"""What a model family tells the generic runtime, and the records both sides share.
+
+The scheduler (`scheduler.py`) keeps what every family has in common: ids, admission, block
+ownership, LRU eviction, the one forward in flight and its rollback. Everything that depends on how
+a family lays out its tokens lives in one module per family (`families/dreamzero.py`,
+`families/hunyuan_image3.py`) behind the `Family` protocol below: how a request is admitted, how a
+forward's rows are planned and finished, what a compiled site expects of the plan, the shape buckets,
+the warm-up inputs of one block and the cache stand-ins handed to the dense model. The split follows
+vLLM v1, whose `KVCacheManager` delegates the per-attention-type decisions to
+`SingleTypeKVCacheManager` subclasses (`FullAttentionManager`, `SlidingWindowManager`).
+
+A new family is one new module implementing `Family` (plus its reference model), registered in
+`families/__init__.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from ..config import Bucket
+from ..layout import RowLayout
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Owner:
+    """A live session or request: one list of managed block ids per row (CFG row)."""
+
+    owner_id: str
+    family: str  # the family's registry name
+    spec: Any  # the family's spec (e.g. DreamZeroSpec)
+    rows: list[list[int]]
+    version: int = 0  # bumped whenever the blocks change: keys the metadata cache
+    phases_done: set[str] = field(default_factory=set)  # forward kinds that finished (e.g. "prefill")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class ForwardPlan:
+    """What one forward does: per-row layouts, blocks taken for it, and the metadata cache key."""
+
+    owner_id: str
+    kind: str
+    rows: list[RowLayout]
+    tokens: int
+    context: int
+    new_blocks: list[list[int]] = field(default_factory=list)
+    key: tuple = ()
+    keeps_kv: bool = False  # its K/V is kept (a commit, a prefill): every layer must run, or it is rolled back
+
+
+class BlockSource(Protocol):
+    """What a family may ask of the scheduler while admitting, planning or finishing (`scheduler.py`)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def scratch_blocks_per_row(self) -> int: ...
+
+    def allocate_rows(self, counts: list[int]) -> list[list[int]]: ...
+
+    def free(self, blocks: list[int]) -> None: ...
+
+    def scratch(self, row: int, first_logical_block: int, last_logical_block: int) -> list[int]: ...
+
+    def check_scratch(self, blocks: int) -> None: ...
+
+
+@runtime_checkable
+class Expectation(Protocol):
+    """What a compiled attention site assumes about the forward it runs in (a frozen dataclass per family).
+
+    Built by the idiom matcher from the graph (`passes/`), checked against the live plan at every call
+    (`PagedKVRuntime.check_layout`). `context` is the dense cache length the site was compiled for.
+    """
+
+    family: str
+
+    @property
+    def context(self) -> int: ...
+
+
+class Family(Protocol):
+    """One model family's KV-cache knowledge; see the module docstring."""
+
+    name: str  # registry key, also `Owner.family` and `Expectation.family`
+    noun: str  # "session" or "request", for messages
+    spec_type: type
+    evict_lru: bool  # whether the runtime's max_sessions LRU cap applies to this family's owners
+
+    # ---- admission and forwards (called by the scheduler) ----
+    def rows(self, spec: Any, requested: int | None) -> int:
+        """How many rows (CFG rows) an owner of `spec` has; `requested` is what the caller asked for."""
+
+    def admission_blocks(self, spec: Any, rows: int, blocks: BlockSource) -> list[int]:
+        """Validate a new owner; managed blocks per row to take at admission (all rows or none)."""
+
+    def plan(self, owner: Owner, blocks: BlockSource, kind: str, **info: Any) -> ForwardPlan:
+        """Plan one forward of `kind`; blocks taken here are given back by the scheduler on failure
+        only if recorded in `ForwardPlan.new_blocks` (a plan that raises must free what it took)."""
+
+    def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
+        """The forward ran: update the owner's rows (e.g. a commit becomes history)."""
+
+    def check_expectation(self, expect: Expectation, owner: Owner) -> None:
+        """Raise RequestError when a compiled site's expectation disagrees with the owner's spec."""
+
+    # ---- the model side (driver, warm-up) ----
+    def owns_model(self, model: torch.nn.Module) -> bool: ...
+
+    def blocks(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        """The model's list of compiled blocks (layer i of the runtime is element i)."""
+
+    def spec_for(self, model: torch.nn.Module, **request: Any) -> Any:
+        """The spec of one request/session of `model` (request: the family's request inputs)."""
+
+    def default_buckets(self, model_cfg: Any) -> Sequence[Bucket] | None:
+        """Buckets warm-up uses when none are configured (None: the family needs them configured)."""
+
+    def example_inputs(self, model: torch.nn.Module, runtime: Any, bucket: Bucket) -> tuple[tuple, dict]:
+        """(args, kwargs) of one block call of `bucket`, as the model's own forward passes them."""
+
+    def standin_caches(self, runtime: Any, model: torch.nn.Module, batch: int, **geometry: Any) -> list:
+        """Per layer what the dense model gets instead of its cache (`runtime.standin`)."""

@@ -1,0 +1,257 @@
+"""DreamZero: an autoregressive video world model with a sliding KV window per CFG branch.
+
+A session keeps a chunk-granular sliding window (plus an optional resident sink) of committed history
+per row. A commit forward writes the chunk into new managed blocks, which become history when it
+finishes (out-of-window blocks are freed); a denoising forward writes the chunk and the action tokens
+to per-row scratch and throws them away. The dense model reads its cache as one `(2, B, L, H, D)`
+tensor per layer; in paged mode it gets a zero-stride stand-in of that shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..config import Bucket, PagedKVConfig
+from ..errors import CapacityError, ConfigError, RequestError
+from ..layout import RowLayout
+from ..models.dreamzero import DreamZeroModel
+from .base import BlockSource, ForwardPlan, Owner, ceil_div
+
+NAME = "dreamzero"
+KINDS = ("commit", "denoise")
+
+
+@dataclass(frozen=True)
+class DreamZeroSpec:
+    """Token geometry of a DreamZero session (all counts in tokens are derived from frames)."""
+
+    frame_seqlen: int
+    chunk_frames: int
+    window_frames: int
+    sink_frames: int = 0
+    action_tokens: int = 0
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk_frames * self.frame_seqlen
+
+    @property
+    def window_tokens(self) -> int:
+        return self.window_frames * self.frame_seqlen
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.sink_frames * self.frame_seqlen
+
+    @property
+    def tokens_per_forward(self) -> int:
+        return self.chunk_tokens + self.action_tokens
+
+    @classmethod
+    def from_model_config(cls, cfg) -> "DreamZeroSpec":
+        """From a `models.dreamzero.DreamZeroConfig` (or anything with the same fields)."""
+        return cls(
+            frame_seqlen=cfg.frame_seqlen,
+            chunk_frames=cfg.num_frame_per_block,
+            window_frames=cfg.window_frames,
+            sink_frames=cfg.sink_size,
+            action_tokens=cfg.action_register_length,
+        )
+
+
+@dataclass(frozen=True)
+class DreamZeroExpect:
+    """What a compiled window site assumes (read from the graph by `passes/dreamzero.py`)."""
+
+    window_tokens: int
+    sink_tokens: int
+    chunk_tokens: int
+    action_tokens: int
+    family: str = field(default=NAME, init=False)
+
+    @property
+    def context(self) -> int:
+        return self.window_tokens
+
+
+def dreamzero_buckets(model_cfg, rows: int | Sequence[int] = 2) -> tuple[Bucket, ...]:
+    """DreamZero's forwards (commit and denoise alike) have one shape per row count."""
+    rows = (rows,) if isinstance(rows, int) else tuple(rows)
+    return tuple(Bucket(r, model_cfg.tokens_per_forward, model_cfg.max_attention_size) for r in rows)
+
+
+def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessions: int = 1, rows: int = 2,
+                             **overrides) -> PagedKVConfig:
+    """A pool for `sessions` DreamZero sessions of `rows` CFG rows each (one window per row)."""
+    block_size = block_size or model_cfg.frame_seqlen
+    per_row = ceil_div(model_cfg.max_attention_size, block_size)
+    fields = dict(
+        num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
+        block_size=block_size, blocks_per_layer=sessions * rows * per_row, max_rows=rows,
+        scratch_tokens_per_row=model_cfg.tokens_per_forward,
+    )
+    fields.update(overrides)
+    return PagedKVConfig(**fields)
+
+
+def _kept_blocks(spec: DreamZeroSpec, block_size: int) -> tuple[int, int]:
+    """(sink blocks, most recent history blocks) any later forward can read."""
+    return spec.sink_tokens // block_size, (spec.window_tokens - spec.sink_tokens - spec.chunk_tokens) // block_size
+
+
+def _visible_history(spec: DreamZeroSpec, row: list[int], block_size: int) -> list[int]:
+    sink, keep = _kept_blocks(spec, block_size)
+    sink = min(len(row), sink)
+    rest = row[sink:]
+    return row[:sink] + (rest[-keep:] if keep > 0 else [])
+
+
+class DreamZeroFamily:
+    """The `Family` of DreamZero sessions (see `families/base.py`)."""
+
+    name = NAME
+    noun = "session"
+    spec_type = DreamZeroSpec
+    evict_lru = True
+
+    # ---- admission and forwards -------------------------------------------------------------
+    def rows(self, spec: DreamZeroSpec, requested: int | None) -> int:
+        return 2 if requested is None else requested  # one per CFG branch unless CFG-parallel splits them
+
+    def admission_blocks(self, spec: DreamZeroSpec, rows: int, blocks: BlockSource) -> list[int]:
+        B = blocks.block_size
+        if spec.frame_seqlen % B:
+            raise ConfigError(
+                f"block_size={B} does not divide frame_seqlen={spec.frame_seqlen}: DreamZero pages by frame; "
+                f"choose a block_size that divides {spec.frame_seqlen}"
+            )
+        if spec.chunk_tokens + spec.sink_tokens > spec.window_tokens:
+            raise ConfigError(
+                f"the window ({spec.window_frames} frames) is smaller than a chunk ({spec.chunk_frames} frames) "
+                f"plus the sink ({spec.sink_frames} frames); enlarge local_attn_size or shrink the chunk/sink"
+            )
+        per_row = spec.window_tokens // B
+        if rows * per_row > blocks.num_blocks:
+            raise CapacityError(
+                f"one full window needs {rows * per_row} blocks per layer ({rows} rows x {per_row}) but the whole "
+                f"pool has {blocks.num_blocks}: it can never fit; raise the pool budget"
+            )
+        blocks.check_scratch(ceil_div(spec.tokens_per_forward, B))
+        return [0] * rows  # history blocks are taken by commits
+
+    def plan(self, owner: Owner, blocks: BlockSource, kind: str, **info: Any) -> ForwardPlan:
+        """A commit (its K/V becomes history) or a denoising forward (scratch) of the session's chunk."""
+        if kind not in KINDS:
+            raise RequestError(f"unknown DreamZero forward kind {kind!r}; use 'commit' or 'denoise'")
+        spec: DreamZeroSpec = owner.spec
+        B, n, a = blocks.block_size, spec.chunk_tokens, spec.action_tokens
+        commit = kind == "commit"
+        new_blocks = blocks.allocate_rows([n // B] * owner.num_rows) if commit else []
+        try:
+            layouts = [self._row(spec, blocks, r, row, new_blocks[r] if commit else [])
+                       for r, row in enumerate(owner.rows)]
+        except BaseException:
+            for taken in new_blocks:
+                blocks.free(taken)
+            raise
+        key = (owner.owner_id, kind, owner.version) if not commit else ()
+        return ForwardPlan(owner.owner_id, kind, layouts, n + a, spec.window_tokens, new_blocks, key, keeps_kv=commit)
+
+    @staticmethod
+    def _row(spec: DreamZeroSpec, blocks: BlockSource, r: int, row: list[int], new: list[int]) -> RowLayout:
+        """[visible history | chunk (new managed blocks, or scratch) | action tokens (scratch)]."""
+        B, n, a = blocks.block_size, spec.chunk_tokens, spec.action_tokens
+        visible = _visible_history(spec, row, B)
+        h = len(visible) * B
+        managed = visible + new
+        scratch = blocks.scratch(r, len(managed), (h + n + a - 1) // B)
+        positions = torch.arange(h, h + n + a, dtype=torch.int64)
+        ends = torch.full((n + a,), h + n + a, dtype=torch.int64)
+        return RowLayout.build(managed, scratch, positions, ends, h + n + a)
+
+    def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
+        """A commit becomes history; blocks no later forward can read (out of the window) are freed."""
+        if plan.kind != "commit":
+            return
+        # Keep what any later forward can read: the sink and the last (window - sink - chunk) tokens.
+        sink_blocks, keep = _kept_blocks(owner.spec, blocks.block_size)
+        for r, new in enumerate(plan.new_blocks):
+            row = owner.rows[r] + new
+            sink = row[: min(len(row), sink_blocks)]
+            rest = row[len(sink) :]
+            kept = rest[-keep:] if keep > 0 else []
+            evicted = rest[: len(rest) - len(kept)]
+            if evicted:
+                blocks.free(evicted)
+            owner.rows[r] = sink + kept
+        owner.version += 1
+
+    def check_expectation(self, expect: DreamZeroExpect, owner: Owner) -> None:
+        spec: DreamZeroSpec = owner.spec
+        have = {"window_tokens": spec.window_tokens, "sink_tokens": spec.sink_tokens,
+                "chunk_tokens": spec.chunk_tokens, "action_tokens": spec.action_tokens}
+        diff = {k: (getattr(expect, k), v) for k, v in have.items() if getattr(expect, k) != v}
+        if diff:
+            raise RequestError(
+                f"the compiled DreamZero site and session {owner.owner_id!r} disagree on "
+                + ", ".join(f"{k} (graph {g}, session {s})" for k, (g, s) in diff.items())
+                + ": open the session with DreamZeroSpec.from_model_config(model.config)"
+            )
+
+    # ---- the model side -----------------------------------------------------------------------
+    def owns_model(self, model: torch.nn.Module) -> bool:
+        return isinstance(model, DreamZeroModel)
+
+    def blocks(self, model: torch.nn.Module) -> torch.nn.ModuleList:
+        return model.blocks
+
+    def spec_for(self, model: torch.nn.Module, **request: Any) -> DreamZeroSpec:
+        return DreamZeroSpec.from_model_config(model.cfg)
+
+    def default_buckets(self, model_cfg) -> tuple[Bucket, ...]:
+        return dreamzero_buckets(model_cfg)
+
+    def example_inputs(self, model: torch.nn.Module, runtime, bucket: Bucket) -> tuple[tuple, dict]:
+        return dreamzero_block_inputs(model, runtime, bucket)
+
+    def standin_caches(self, runtime, model: torch.nn.Module, batch: int, **geometry: Any) -> list[torch.Tensor]:
+        """One zero-stride `(2, batch, window, H, D)` stand-in, the same for every layer."""
+        cfg = model.cfg
+        standin = runtime.standin(2, batch, cfg.max_attention_size, cfg.num_heads, cfg.head_dim)
+        return [standin] * cfg.num_layers
+
+
+def dreamzero_block_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]:
+    """Arguments of one `CausalWanBlock` call of `bucket`, as `DreamZeroModel.forward` passes them."""
+    cfg, p = model.cfg, next(model.parameters())
+    R, T, C = bucket.rows, bucket.tokens, bucket.context
+    video = T - cfg.action_register_length
+    if video <= 0 or video % cfg.frame_seqlen:
+        raise ConfigError(
+            f"bucket {bucket} cannot be a DreamZero forward: {T} tokens minus {cfg.action_register_length} "
+            f"action registers is not a positive multiple of frame_seqlen={cfg.frame_seqlen}"
+        )
+    if C != cfg.max_attention_size:
+        raise ConfigError(
+            f"bucket {bucket}: DreamZero's cache stand-ins are one window ({cfg.max_attention_size} tokens) long; "
+            "use dreamzero_buckets(model.cfg)"
+        )
+    H, D = cfg.num_heads, cfg.head_dim
+    cos, sin = model.rope_tables(0, video // cfg.frame_seqlen, p.device)
+    zeros = functools.partial(torch.zeros, dtype=p.dtype, device=p.device)
+    args = (
+        zeros(R, T, cfg.dim),  # hidden states
+        zeros(R, 6, cfg.dim),  # modulation
+        cos,
+        sin,
+        DREAMZERO.standin_caches(runtime, model, R)[0],  # what the driver hands the model
+        zeros(2, R, cfg.cross_len, H, D),  # cross-attention K/V
+    )
+    return args, {}
+
+
+DREAMZERO = DreamZeroFamily()
