@@ -34,3 +34,7 @@ class BindingError(PagedKVError, RuntimeError):
 
 class PassError(PagedKVError, RuntimeError):
     """A KV-cache attention site could not be rewritten (strict mode) or a stand-in is still read."""
+
+
+class CaptureError(PagedKVError, RuntimeError):
+    """Warm-up or capture is impossible as asked, or a block call does not match what was captured."""

@@ -1,36 +1,8 @@
-"""Warm-up over shape buckets, then CUDA-graph capture and replay of the compiled blocks.
+"""`CapturedBlocks`: a model's compiled blocks, warmed up per bucket and replayed as CUDA graphs.
 
-    runtime = PagedKVRuntime(dreamzero_runtime_config(cfg, buckets=dreamzero_buckets(cfg)))
-    runtime.bind(model.blocks)
-    for block in model.blocks:
-        block.compile(backend="paged_kv", fullgraph=True, dynamic=False)
-    captured = warm_up(model, runtime)      # compiles every bucket; on CUDA also captures
-    with captured.serving():                # from here on, any compile is an error
-        paged_dreamzero_rollout(model, runtime, num_chunks=10)
-
-`warm_up` wraps the model's blocks (`CapturedBlocks`). Per bucket it owns one set of static input
-buffers, shared by all blocks (one buffer per argument position: hidden states, modulation, RoPE
-tables, cross-attention K/V, masks...); cache stand-ins and the pool are already at fixed addresses
-and pass through. A block call copies its tensor arguments into those buffers (skipped when the same
-unmodified tensor was copied last, e.g. RoPE tables shared by all blocks) and then, on CUDA, replays
-that block's graph and copies the outputs out; on a machine without a GPU it calls the compiled block
-on the same static buffers, so the address logic is the same and tested.
-
-Graph granularity: one CUDA graph per (bucket, block), all captured into ONE shared memory pool,
-not one graph over the whole stack. The models own their loop over blocks (`for block in
-self.blocks: x = block(x, ...)`) and nothing runs between two blocks that a graph over the stack
-could replace without deferring every block's result to the last one; per-block graphs keep every
-returned tensor real, keep the binding property that blocks may run in any order or be skipped, and
-cost one graph launch per block (microseconds against milliseconds of block compute at real sizes;
-vLLM's piecewise graphs make the same trade). Static outputs live in per-bucket buffers that each
-graph writes last, so the graphs' intermediates are reused across captures through the shared pool.
-
-A forward whose bucket was not warmed up raises `RequestError` naming it and the warmed-up ones
-(the runtime already refuses shapes outside its configured buckets). With `fallback="eager"` such a
-forward instead runs uncaptured: the runtime lets the shape through as its own bucket, the block is
-called directly (dynamo compiles that shape once, with a warning; counted in `stats`), never
-replayed. Serving under `serving()` sets `torch.compiler.set_stance("fail_on_recompile")`, so a
-silent recompile is an error; captured calls enforce that stance themselves as well.
+What a block call reads lives in static buffers (`capture/static.py`); graphs are captured by a
+backend (`capture/graphs.py`); warm-up timings are reported by `capture/report.py`. The example
+inputs of one block call come from the caller or from the model's family (`families/`).
 """
 
 from __future__ import annotations
@@ -40,19 +12,17 @@ import functools
 import sys
 import time
 import warnings
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
-from . import binding, families
-from .config import Bucket
-from .errors import ConfigError, PagedKVError, RequestError
-# Re-exported where the README and older callers import them; they live with their family.
-from .families.dreamzero import dreamzero_block_inputs, dreamzero_buckets  # noqa: F401
-from .families.hunyuan_image3 import hunyuan_buckets, hunyuan_layer_inputs  # noqa: F401
+from .. import binding, families
+from ..config import Bucket
+from ..errors import CaptureError, ConfigError, RequestError
+from .graphs import CudaGraphs, EmulatedGraphs
+from .report import BucketWarmup, WarmupReport, format_bucket, progress_bar, unique_graphs
+from .static import BucketState, copy_out
 
 FALLBACKS = ("error", "eager")
 
@@ -60,207 +30,10 @@ FALLBACKS = ("error", "eager")
 ExampleInputs = Callable[[Bucket], "tuple[tuple, dict]"]
 
 
-class CaptureError(PagedKVError, RuntimeError):
-    """Warm-up or capture is impossible as asked, or a block call does not match what was captured."""
-
-
 def model_blocks_and_inputs(model, runtime) -> tuple[torch.nn.ModuleList, ExampleInputs, str]:
     """The block list, the example-input factory and the family name of a reference model."""
     family = families.for_model(model)
     return family.blocks(model), functools.partial(family.example_inputs, model, runtime), family.name
-
-
-# ---- argument leaves ------------------------------------------------------------------------------
-
-_TENSOR, _STANDIN, _OBJECT, _CONST = "tensor", "stand-in", "object", "constant"
-
-
-def _signature(value: Any, where: str, depth: int = 0) -> tuple[str, Any]:
-    """(kind, signature) of one flattened argument; two calls match when both are equal."""
-    if isinstance(value, torch.Tensor):
-        if binding.is_standin(value):
-            return _STANDIN, (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
-        return _TENSOR, (tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, (str, int, float, bool, type(None), torch.dtype, torch.device)):
-        return _CONST, value
-    attrs = getattr(value, "__dict__", None)
-    if attrs is not None and depth < 2 and not isinstance(value, torch.nn.Module):
-        items = []
-        for name, attr in sorted(attrs.items()):
-            kind, sig = _signature(attr, f"{where}.{name}", depth + 1)
-            if kind == _TENSOR:
-                raise CaptureError(
-                    f"{where}.{name} is a tensor that is not a KV-cache stand-in inside a {type(value).__name__}: a "
-                    "captured graph would keep reading it at its warm-up address. Pass it as a tensor argument"
-                )
-            items.append((name, kind, sig))
-        return _OBJECT, (type(value), tuple(items))
-    raise CaptureError(f"{where} is a {type(value).__name__}, which a captured block call cannot take")
-
-
-def _describe(kind: str, sig: Any) -> str:
-    if kind == _TENSOR:
-        shape, dtype, device = sig
-        return f"tensor {list(shape)} {dtype} on {device}"
-    if kind == _STANDIN:
-        return f"stand-in {list(sig[1])} at {sig[0]:#x}"
-    if kind == _OBJECT:
-        return f"{sig[0].__name__} object"
-    return f"{type(sig).__name__} {sig!r}"
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors track no version: never skip their copy
-        return None
-
-
-@dataclass
-class _Slot:
-    """One flattened argument position of a bucket's block calls."""
-
-    kind: str
-    sig: Any
-    buffer: torch.Tensor | None = None  # the static buffer of a tensor argument
-    last: tuple | None = None  # (weakref to the last source, its version): skip an identical copy
-
-
-@dataclass
-class _BucketState:
-    bucket: Bucket
-    spec: Any  # pytree spec of (args, kwargs)
-    slots: list[_Slot]
-    example: list  # the warm-up leaves in flattened order (None for tensors: their buffer holds them)
-    graphs: dict[int, Any] = field(default_factory=dict)  # block index -> torch.cuda.CUDAGraph
-    outputs: dict[int, Any] = field(default_factory=dict)  # block index -> output tree over static buffers
-    out_buffers: list[torch.Tensor] = field(default_factory=list)
-    site_layers: dict[int, set] = field(default_factory=dict)  # block index -> layers its paged sites serve
-
-    def static_leaves(self) -> list:
-        return [s.buffer if s.kind == _TENSOR else leaf for s, leaf in zip(self.slots, self.example)]
-
-
-@dataclass
-class BucketWarmup:
-    """What warming up one bucket cost."""
-
-    bucket: Bucket
-    compile_s: float  # the first forward of the bucket over all blocks: dynamo + passes + inner compiler
-    capture_s: float  # CUDA-graph capture of every block (0 without capture)
-    graphs_compiled: int  # dynamo graphs compiled while warming this bucket (one serves every block)
-    cuda_graphs: int
-
-    def as_dict(self) -> dict:
-        b = self.bucket
-        return {"bucket": {"rows": b.rows, "tokens": b.tokens, "context": b.context},
-                "compile_s": round(self.compile_s, 4), "capture_s": round(self.capture_s, 4),
-                "graphs_compiled": self.graphs_compiled, "cuda_graphs": self.cuda_graphs}
-
-
-@dataclass
-class WarmupReport:
-    buckets: list[BucketWarmup]
-    captured: bool
-    total_s: float
-    graphs: str = "none"  # "cuda", "emulated" or "none"
-
-    def as_dict(self) -> dict:
-        return {"captured": self.captured, "graphs": self.graphs, "total_s": round(self.total_s, 4),
-                "buckets": [b.as_dict() for b in self.buckets]}
-
-    def format(self) -> str:
-        mode = {"cuda": "compiled and captured as CUDA graphs", "emulated": "compiled and captured (emulated graphs)"
-                }.get(self.graphs, "compiled (no CUDA graphs on this device)")
-        lines = [f"warm-up: {len(self.buckets)} bucket(s) {mode} in {self.total_s:.2f} s"]
-        for b in self.buckets:
-            lines.append(
-                f"  {format_bucket(b.bucket)}: compile {b.compile_s:.2f} s, capture {b.capture_s:.2f} s, "
-                f"{b.graphs_compiled} graph(s) compiled, {b.cuda_graphs} CUDA graph(s)"
-            )
-        return "\n".join(lines)
-
-
-def format_bucket(bucket: Bucket) -> str:
-    return f"rows={bucket.rows} tokens={bucket.tokens} context={bucket.context}"
-
-
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
-def _progress(total: int, enabled: bool):
-    """A tqdm bar on stderr when tqdm is installed (None otherwise: one printed line per bucket)."""
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is optional
-        return None
-    return tqdm(total=total, desc="paged-kv warm-up", unit="bucket", file=sys.stderr, leave=True)
-
-
-# ---- how graphs are captured ----------------------------------------------------------------------
-
-
-class CudaGraphs:
-    """CUDA graphs, all captured into one shared memory pool (`torch.cuda.graph_pool_handle()`)."""
-
-    def __init__(self, pool=None) -> None:
-        self.pool = pool
-
-    def warm(self, run: Callable[[], Any], iters: int) -> None:
-        """Run on a side stream first, as capture requires (lazy inits, allocator warm-up)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(iters):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-
-    def capture(self, region: Callable[[], Any]) -> tuple[Any, Any]:
-        """(graph, what region returned while captured); graph.replay() runs its kernels again."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = region()
-        return graph, out
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-
-class _Replay:
-    def __init__(self, region: Callable[[], Any]) -> None:
-        self.region = region
-
-    def replay(self) -> None:
-        self.region()
-
-
-class EmulatedGraphs:
-    """Stands in for CUDA graphs on machines without a GPU: "replay" calls the captured region again.
-
-    It reads the same static buffers a CUDA graph would, so the capture bookkeeping (static inputs and
-    outputs, copy in and out) is exercised end to end; `CapturedBlocks(..., graphs=EmulatedGraphs())`.
-    """
-
-    def warm(self, run: Callable[[], Any], iters: int) -> None:
-        for _ in range(iters):
-            run()
-
-    def capture(self, region: Callable[[], Any]) -> tuple[Any, Any]:
-        return _Replay(region), region()
-
-    def synchronize(self) -> None:
-        pass
-
-
-# ---- the wrapper ----------------------------------------------------------------------------------
 
 
 class _CapturedBlock(torch.nn.Module):
@@ -341,9 +114,9 @@ class CapturedBlocks:
         self.capture = bool(capture)
         self.graphs = (graphs if graphs is not None else CudaGraphs()) if self.capture else None
         self.fallback = fallback
-        runtime.allow_unconfigured_buckets = fallback == "eager"
+        runtime.allow_unconfigured_buckets(fallback == "eager")
         self.warmup_iters = warmup_iters
-        self._states: dict[Bucket, _BucketState] = {}
+        self._states: dict[Bucket, BucketState] = {}
         self._warned: set = set()
         self._installed = False
         self.report: WarmupReport | None = None
@@ -367,7 +140,7 @@ class CapturedBlocks:
             )
         start = time.perf_counter()
         timings = []
-        bar = _progress(len(self.buckets), progress)
+        bar = progress_bar(len(self.buckets), progress)
         for bucket in self.buckets:
             if bar is not None:
                 bar.set_postfix_str(f"compiling {format_bucket(bucket)}")
@@ -387,31 +160,17 @@ class CapturedBlocks:
         self.report = WarmupReport(timings, self.capture, time.perf_counter() - start, kind)
         return self.report
 
-    def _prepare(self, bucket: Bucket) -> _BucketState:
+    def _prepare(self, bucket: Bucket) -> BucketState:
         args, kwargs = self.example_inputs(bucket)
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        slots = []
-        for n, leaf in enumerate(leaves):
-            kind, sig = _signature(leaf, f"argument {n}")
-            slot = _Slot(kind, sig)
-            if kind == _TENSOR:
-                if torch._debug_has_internal_overlap(leaf) == 1:
-                    raise CaptureError(
-                        f"argument {n} of the example inputs for {bucket} is an expanded (self-overlapping) tensor; "
-                        "give a materialized tensor or a registered stand-in (runtime.standin)"
-                    )
-                slot.buffer = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
-                slot.buffer.copy_(leaf)
-            slots.append(slot)
-        return _BucketState(bucket, spec, slots, [None if s.kind == _TENSOR else x for s, x in zip(slots, leaves)])
+        return BucketState.prepare(bucket, args, kwargs)
 
-    def _static_call(self, state: _BucketState, index: int):
+    def _static_call(self, state: BucketState, index: int):
         args, kwargs = pytree.tree_unflatten(state.static_leaves(), state.spec)
         return self.blocks[index](*args, **kwargs)
 
     def _warm_bucket(self, bucket: Bucket) -> BucketWarmup:
         t0 = time.perf_counter()
-        graphs0 = _unique_graphs()
+        graphs0 = unique_graphs()
         state = self._prepare(bucket)
         buffers = [s.buffer for s in state.slots if s.buffer is not None]
         versions = [b._version for b in buffers]
@@ -439,12 +198,12 @@ class CapturedBlocks:
                     "them (runtime.bind) before warming up; uncompiled blocks would read empty KV-cache stand-ins"
                 )
         compile_s = time.perf_counter() - t0
-        graphs = _unique_graphs() - graphs0
+        graphs = unique_graphs() - graphs0
         capture_s = self._capture(state) if self.capture else 0.0
         self._states[bucket] = state
         return BucketWarmup(bucket, compile_s, capture_s, graphs, len(state.graphs))
 
-    def _capture(self, state: _BucketState) -> float:
+    def _capture(self, state: BucketState) -> float:
         """One graph per block for this bucket, all in the shared pool; outputs go to static buffers."""
         t0 = time.perf_counter()
         graphs, n = self.graphs, len(self.blocks)
@@ -533,48 +292,21 @@ class CapturedBlocks:
                 "add it to the runtime's configured buckets and warm up again",
             )
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        why = self._mismatch(state, leaves, spec)
+        why = state.mismatch(leaves, spec)
         if why:
             return self._fallback(index, bucket, args, kwargs, f"block {index}'s call for {bucket}: {why}",
                                   "call the blocks exactly as the model's loop does at warm-up")
-        self._copy_in(state, leaves)
+        state.copy_in(leaves, self.stats)
         if state.graphs:
             state.graphs[index].replay()
-            seen = getattr(active, "layers_seen", None)
-            if seen is not None:  # the site's Python did not run: record what the captured call served
-                seen.update(state.site_layers.get(index, ()))
+            # the site's Python did not run: record what the captured call served
+            self.runtime.record_layers(state.site_layers.get(index, ()))
             self.stats["replays"] += 1
-            return pytree.tree_map(_copy_out, state.outputs[index])
+            return pytree.tree_map(copy_out, state.outputs[index])
         self.stats["direct_calls"] += 1
-        call_args, call_kwargs = pytree.tree_unflatten(
-            [s.buffer if s.kind == _TENSOR else leaf for s, leaf in zip(state.slots, leaves)], state.spec
-        )
+        call_args, call_kwargs = pytree.tree_unflatten(state.call_leaves(leaves), state.spec)
         with torch.compiler.set_stance("fail_on_recompile"):
             return self.blocks[index](*call_args, **call_kwargs)
-
-    def _mismatch(self, state: _BucketState, leaves: list, spec) -> str:
-        if spec != state.spec:
-            return "its arguments are structured differently from the warm-up's"
-        for n, (slot, leaf) in enumerate(zip(state.slots, leaves)):
-            kind, sig = _signature(leaf, f"argument {n}")
-            if kind != slot.kind or sig != slot.sig:
-                return f"argument {n} is a {_describe(kind, sig)}, warmed up as a {_describe(slot.kind, slot.sig)}"
-        return ""
-
-    def _copy_in(self, state: _BucketState, leaves: list) -> None:
-        for slot, leaf in zip(state.slots, leaves):
-            if slot.kind != _TENSOR:
-                continue
-            buf = slot.buffer
-            if leaf is buf:
-                continue
-            version = _version(leaf)
-            if version is not None and slot.last is not None and slot.last[0]() is leaf and slot.last[1] == version:
-                self.stats["copies_skipped"] += 1  # e.g. the RoPE tables every block of a forward receives
-                continue
-            buf.copy_(leaf)
-            slot.last = (weakref.ref(leaf), version) if version is not None else None
-            self.stats["copies"] += 1
 
     def _fallback(self, index: int, bucket: Bucket, args: tuple, kwargs: dict, why: str, fix: str):
         if self.fallback == "error":
@@ -585,10 +317,10 @@ class CapturedBlocks:
                           stacklevel=4)
         self.stats["fallback_calls"] += 1
         self.fallback_buckets.add(bucket)
-        before = _unique_graphs()
+        before = unique_graphs()
         with torch.compiler.set_stance("default"):
             out = self.blocks[index](*args, **kwargs)
-        self.stats["fallback_compiles"] += _unique_graphs() - before
+        self.stats["fallback_compiles"] += unique_graphs() - before
         return out
 
     # ---- introspection ----------------------------------------------------------------------------
@@ -598,26 +330,13 @@ class CapturedBlocks:
         for bucket, state in sorted(self._states.items()):
             name = format_bucket(bucket)
             out[f"metadata {name}"] = self.runtime.metadata.buffers(bucket).addresses()
-            out[f"inputs {name}"] = tuple(
-                s.buffer.data_ptr() if s.kind == _TENSOR else s.sig[0] for s in state.slots
-                if s.kind in (_TENSOR, _STANDIN)
-            )
+            out[f"inputs {name}"] = state.addresses()
             out[f"outputs {name}"] = tuple(t.data_ptr() for t in state.out_buffers)
         return out
 
     def static_bytes(self) -> int:
         """Bytes of the static input/output buffers of every bucket (the pool and metadata excluded)."""
-        total = 0
-        for state in self._states.values():
-            for t in [s.buffer for s in state.slots if s.buffer is not None] + state.out_buffers:
-                total += t.untyped_storage().nbytes()
-        return total
-
-
-def _copy_out(value):
-    if isinstance(value, torch.Tensor) and not binding.is_standin(value):
-        return value.clone()
-    return value
+        return sum(state.static_bytes() for state in self._states.values())
 
 
 def warm_up(

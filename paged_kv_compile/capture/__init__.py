@@ -1,0 +1,60 @@
+"""Warm-up over shape buckets, then CUDA-graph capture and replay of the compiled blocks.
+
+    runtime = PagedKVRuntime(dreamzero_runtime_config(cfg, buckets=dreamzero_buckets(cfg)))
+    runtime.bind(model.blocks)
+    for block in model.blocks:
+        block.compile(backend="paged_kv", fullgraph=True, dynamic=False)
+    captured = warm_up(model, runtime)      # compiles every bucket; on CUDA also captures
+    with captured.serving():                # from here on, any compile is an error
+        paged_dreamzero_rollout(model, runtime, num_chunks=10)
+
+`warm_up` wraps the model's blocks (`CapturedBlocks`). Per bucket it owns one set of static input
+buffers, shared by all blocks (one buffer per argument position: hidden states, modulation, RoPE
+tables, cross-attention K/V, masks...); cache stand-ins and the pool are already at fixed addresses
+and pass through. A block call copies its tensor arguments into those buffers (skipped when the same
+unmodified tensor was copied last, e.g. RoPE tables shared by all blocks) and then, on CUDA, replays
+that block's graph and copies the outputs out; on a machine without a GPU it calls the compiled block
+on the same static buffers, so the address logic is the same and tested.
+
+Graph granularity: one CUDA graph per (bucket, block), all captured into ONE shared memory pool,
+not one graph over the whole stack. The models own their loop over blocks (`for block in
+self.blocks: x = block(x, ...)`) and nothing runs between two blocks that a graph over the stack
+could replace without deferring every block's result to the last one; per-block graphs keep every
+returned tensor real, keep the binding property that blocks may run in any order or be skipped, and
+cost one graph launch per block (microseconds against milliseconds of block compute at real sizes;
+vLLM's piecewise graphs make the same trade). Static outputs live in per-bucket buffers that each
+graph writes last, so the graphs' intermediates are reused across captures through the shared pool.
+
+A forward whose bucket was not warmed up raises `RequestError` naming it and the warmed-up ones
+(the runtime already refuses shapes outside its configured buckets). With `fallback="eager"` such a
+forward instead runs uncaptured: the runtime lets the shape through as its own bucket, the block is
+called directly (dynamo compiles that shape once, with a warning; counted in `stats`), never
+replayed. Serving under `serving()` sets `torch.compiler.set_stance("fail_on_recompile")`, so a
+silent recompile is an error; captured calls enforce that stance themselves as well.
+"""
+
+from ..errors import CaptureError
+# Re-exported where the README and older callers import them; they live with their family.
+from ..families.dreamzero import dreamzero_block_inputs, dreamzero_buckets
+from ..families.hunyuan_image3 import hunyuan_buckets, hunyuan_layer_inputs
+from .blocks import FALLBACKS, CapturedBlocks, ExampleInputs, model_blocks_and_inputs, warm_up
+from .graphs import CudaGraphs, EmulatedGraphs
+from .report import BucketWarmup, WarmupReport, format_bucket
+
+__all__ = [
+    "FALLBACKS",
+    "BucketWarmup",
+    "CaptureError",
+    "CapturedBlocks",
+    "CudaGraphs",
+    "EmulatedGraphs",
+    "ExampleInputs",
+    "WarmupReport",
+    "dreamzero_block_inputs",
+    "dreamzero_buckets",
+    "format_bucket",
+    "hunyuan_buckets",
+    "hunyuan_layer_inputs",
+    "model_blocks_and_inputs",
+    "warm_up",
+]
