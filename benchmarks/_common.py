@@ -27,9 +27,9 @@ import torch
 
 from paged_kv_compile.backend import paged_kv_backend
 from paged_kv_compile.driver import PagedHooks, dreamzero_runtime_config, hunyuan_runtime_config, hunyuan_spec
-from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
+from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_steps
 from paged_kv_compile.models.hooks import DenseHooks
-from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model
+from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_steps
 from paged_kv_compile.ops import write_attend as _write_attend_module
 from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.scheduler import DreamZeroSpec
@@ -217,6 +217,52 @@ def hunyuan_setup(cfg: HunyuanImage3Config, path: str, inner: str, *, max_prefix
     return Setup(path, model, runtime, backend)
 
 
+class _CacheRecorder:
+    """Hooks for a library loop that hand out the driver's hooks' caches and keep them on the driver."""
+
+    def __init__(self, driver) -> None:
+        self.driver = driver
+
+    def caches(self, model, batch, **geometry):
+        self.driver.caches = self.driver.hooks.caches(model, batch, **geometry)
+        return self.driver.caches
+
+    def window_reset(self) -> None:
+        self.driver.hooks.window_reset()
+
+
+class LoopDriver:
+    """Runs a library step generator (`models/hooks.py`) a few forwards at a time, inside `hooks.forward`."""
+
+    def __init__(self, steps, hooks, on_result: Callable[[Any, Any], None] | None = None) -> None:
+        self.steps, self.hooks, self.on_result = steps, hooks, on_result
+        self.pending = next(steps)
+        self.done = False
+
+    def pending_index(self) -> int | None:
+        return None if self.done else self.pending.index
+
+    def run_one(self):
+        """Run the next forward; returns its result."""
+        forward = self.pending
+        with self.hooks.forward(forward.kind, **forward.info):
+            result = forward.call()
+        if self.on_result is not None:
+            self.on_result(forward, result)
+        try:
+            self.pending = self.steps.send(result)
+        except StopIteration:
+            self.done = True
+        return result
+
+    def run_while(self, condition, observe: Callable[[], None] | None = None) -> None:
+        """Run forwards while `condition(next forward)` holds; `observe()` after each."""
+        while not self.done and condition(self.pending):
+            self.run_one()
+            if observe:
+                observe()
+
+
 class DreamZeroSession:
     """One DreamZero session driven forward by forward (the loop of `dreamzero_rollout`).
 
@@ -235,6 +281,8 @@ class DreamZeroSession:
             self.hooks = hooks or PagedHooks(self.runtime, session_id)
         else:
             self.hooks = hooks or DenseHooks()
+        self.seed = seed
+        self._loop: LoopDriver | None = None  # the library loop, once run_chunk is first called
         self.gen = torch.Generator().manual_seed(seed)
         context = self.noise(1, cfg.text_len, cfg.text_dim)
         image = self.noise(2, cfg.image_len, cfg.image_dim) if cfg.image_len else None
@@ -275,27 +323,19 @@ class DreamZeroSession:
                 self.noise(1, cfg.action_register_length, cfg.action_dim), torch.full((2,), 500.0))
 
     def run_chunk(self, steps: int, guidance: float = 5.0, observe: Callable[[], None] | None = None) -> None:
-        """One chunk of the rollout: commit the previous clean chunk, `steps` denoising forwards, advance."""
-        cfg = self.cfg
-        if self.previous is not None:
-            self.commit(*self.previous)
-            if observe:
-                observe()
-        sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
-        x, a = self.noise(1, cfg.chunk_tokens, cfg.in_channels), self.noise(1, cfg.action_register_length,
-                                                                            cfg.action_dim)
-        for i in range(steps):
-            v_x, v_a = self.denoise(x, a, torch.full((2,), sigmas[i] * 1000.0))
-            if observe:
-                observe()
-            x = x + (sigmas[i + 1] - sigmas[i]) * (v_x[1:] + guidance * (v_x[:1] - v_x[1:]))
-            a = a + (sigmas[i + 1] - sigmas[i]) * (v_a[1:] + guidance * (v_a[:1] - v_a[1:]))
-        self.previous = (x, a, self.start_frame)
-        self.start_frame += cfg.num_frame_per_block
-        if self.start_frame >= cfg.window_reset_frames:
-            self.hooks.window_reset()
-            self.caches = self.hooks.caches(self.model, 2)
-            self.start_frame, self.previous = 0, None
+        """One chunk of the library's rollout loop (`dreamzero_steps`): the commit of the previous clean
+        chunk, `steps` denoising forwards, advance (and reset the window when it is due)."""
+        if self._loop is None:
+            self._loop = LoopDriver(dreamzero_steps(self.model, num_chunks=2**31 - 1, num_inference_steps=steps,
+                                                    guidance_scale=guidance, seed=self.seed,
+                                                    hooks=_CacheRecorder(self)), self.hooks,
+                                    on_result=self._keep_caches)
+        chunk = self._loop.pending_index()
+        self._loop.run_while(lambda forward: forward.index == chunk, observe)
+
+    def _keep_caches(self, forward, result) -> None:
+        if forward.kind == "commit":  # the caches the loop holds from now on (dense: grown by the commit)
+            self.caches = result[2]
 
     def close(self) -> None:
         self.caches = []
@@ -319,6 +359,8 @@ class HunyuanRequestDriver:
             self.hooks = hooks or PagedHooks(self.runtime, request_id)
         else:
             self.hooks = hooks or DenseHooks()
+        self.prompts, self.seed = prompts, seed
+        self._loop: LoopDriver | None = None  # the library loop, once forward is first called
         self.req = model.build_request(prompts, capacity)
         self.caches = self.hooks.caches(model, self.req.batch, prefix_capacity=capacity)
         self.x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen)
@@ -344,13 +386,12 @@ class HunyuanRequestDriver:
                               req.prefix_valid, "step")
 
     def forward(self, num_steps: int) -> torch.Tensor:
-        """The next forward of a `num_steps` generation: prefill first, then steps; Euler update of x."""
-        sigmas = torch.linspace(1.0, 0.0, num_steps + 1).tolist()
-        i = self.steps_done
-        hidden = self.prefill(sigmas[i] * 1000.0) if i == 0 else self.step(sigmas[i] * 1000.0)
-        v = self.model.velocity(hidden)
-        v = v[1] + 4.0 * (v[0] - v[1]) if v.shape[0] == 2 else v[0]
-        self.x = self.x + (sigmas[i + 1] - sigmas[i]) * v
+        """The next forward of the library's `num_steps` generation loop (`hunyuan_steps`); its hidden states."""
+        if self._loop is None:
+            self._loop = LoopDriver(hunyuan_steps(self.model, self.prompts, prefix_capacity=self.req.prefix_capacity,
+                                                  num_steps=num_steps, seed=self.seed, hooks=_CacheRecorder(self)),
+                                    self.hooks)
+        hidden = self._loop.run_one()
         self.steps_done += 1
         return hidden
 

@@ -5,10 +5,10 @@ request's numbers: a failed forward is rolled back (the runtime state and every 
 are bit-exactly what they were before it), can be retried, and the retried request gives exactly the
 result of a clean run on a fresh runtime.
 
-The loops below are `dreamzero_rollout` / `hunyuan_generate` written as generators that yield before
-every forward (checked bit-exact against the library loops), so a test can interleave sessions on one
-runtime, abort between forwards, and retry a forward that failed. `test_reliability_soak.py` uses them
-too.
+The library's step generators (`dreamzero_steps` / `hunyuan_steps`, the loops `dreamzero_rollout` /
+`hunyuan_generate` run) are driven here by `paced`, which yields before every forward, so a test can
+interleave sessions on one runtime, abort between forwards, and retry a forward that failed.
+`test_reliability_soak.py` uses them too.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from paged_kv_compile.driver import (
     paged_dreamzero_rollout,
     paged_hunyuan_generate,
 )
+from paged_kv_compile import models
 from paged_kv_compile.metadata import BucketMetadata
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
-from paged_kv_compile.models.hooks import DenseHooks
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.scheduler import DreamZeroSpec
@@ -70,91 +70,33 @@ def _attempt(hooks, kind: str, info: dict, call, *, retries: int = 0, wait_for_c
             yield ("blocked", kind)
 
 
+def paced(loop, hooks, *, retries: int = 0, wait_for_capacity: bool = False):
+    """Drive a library step generator: yield (kind, index) before each forward, then run it via `_attempt`."""
+    result = None
+    while True:
+        try:
+            forward = loop.send(result)
+        except StopIteration as stop:
+            return stop.value
+        yield (forward.kind, forward.index)
+        result = yield from _attempt(hooks, forward.kind, forward.info, forward.call, retries=retries,
+                                     wait_for_capacity=wait_for_capacity)
+
+
 def dreamzero_steps(model, hooks, *, num_chunks: int, steps: int, seed: int, out: dict | None = None,
                     guidance_scale: float = 5.0, retries: int = 0, wait_for_capacity: bool = False):
-    """`dreamzero_rollout` as a generator: yields ("commit"|"denoise", chunk) before each forward.
-
-    Completed chunks are appended to `out["video"]` / `out["actions"]` as they finish; returns `out`.
-    """
-    cfg = model.cfg
-    p = next(model.parameters())
-    gen = torch.Generator().manual_seed(seed)
-
-    def noise(*shape):
-        return torch.randn(shape, generator=gen).to(device=p.device, dtype=p.dtype)
-
-    out = out if out is not None else {}
-    out.setdefault("video", [])
-    out.setdefault("actions", [])
-    context = noise(1, cfg.text_len, cfg.text_dim)
-    context = torch.cat([context, torch.zeros_like(context)])
-    image_context = noise(1, cfg.image_len, cfg.image_dim).expand(2, -1, -1) if cfg.image_len else None
-    cross_kvs = model.prepare_cross_kv(context, image_context)
-    caches = hooks.caches(model, 2)
-    sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
-    L, A = cfg.chunk_tokens, cfg.action_register_length
-    start, previous = 0, None
-    kw = dict(retries=retries, wait_for_capacity=wait_for_capacity)
-    for chunk in range(num_chunks):
-        if previous is not None:
-            prev_start, prev_x, prev_a = previous
-            yield ("commit", chunk)
-            _, _, caches = yield from _attempt(
-                hooks, "commit", dict(start_frame=prev_start, num_frames=cfg.num_frame_per_block),
-                lambda: model(prev_x.expand(2, -1, -1), prev_a.expand(2, -1, -1), torch.zeros(2), prev_start,
-                              caches, cross_kvs, update_kv_cache=True), **kw)
-        x, a = noise(1, L, cfg.in_channels), noise(1, A, cfg.action_dim)
-        for i in range(steps):
-            t = torch.full((2,), sigmas[i] * 1000.0)
-            yield ("denoise", chunk)
-            v_x, v_a, _ = yield from _attempt(
-                hooks, "denoise", dict(start_frame=start, num_frames=cfg.num_frame_per_block, step=i),
-                lambda: model(x.expand(2, -1, -1), a.expand(2, -1, -1), t, start, caches, cross_kvs,
-                              update_kv_cache=False), **kw)
-            v_x = v_x[1:] + guidance_scale * (v_x[:1] - v_x[1:])
-            v_a = v_a[1:] + guidance_scale * (v_a[:1] - v_a[1:])
-            x = x + (sigmas[i + 1] - sigmas[i]) * v_x
-            a = a + (sigmas[i + 1] - sigmas[i]) * v_a
-        out["video"].append(x[0])
-        out["actions"].append(a[0])
-        previous = (start, x, a)
-        start += cfg.num_frame_per_block
-        if start >= cfg.window_reset_frames:
-            hooks.window_reset()
-            caches = hooks.caches(model, 2)
-            start, previous = 0, None
-    return out
+    """The library's DreamZero loop, paced; completed chunks go to `out["video"]` / `out["actions"]`."""
+    loop = models.dreamzero_steps(model, num_chunks=num_chunks, num_inference_steps=steps, seed=seed,
+                                  guidance_scale=guidance_scale, hooks=hooks, out=out)
+    return paced(loop, hooks, retries=retries, wait_for_capacity=wait_for_capacity)
 
 
 def hunyuan_steps(model, hooks, prompts, *, prefix_capacity: int, num_steps: int, seed: int,
                   guidance_scale: float = 4.0, retries: int = 0):
-    """`hunyuan_generate` as a generator: yields ("prefill"|"step", i) before each forward; returns the latents."""
-    cfg = model.cfg
-    req = model.build_request(prompts, prefix_capacity)
-    b, P = req.batch, req.prefix_capacity
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen)
-    sigmas = torch.linspace(1.0, 0.0, num_steps + 1).tolist()
-    caches = hooks.caches(model, b, prefix_capacity=P)
-    info = dict(prefix_lens=list(req.prefix_lens), prefix_capacity=P, target_len=cfg.target_len)
-    for i in range(num_steps):
-        t = torch.full((b,), sigmas[i] * 1000.0)
-        target = model.embed_target(x.expand(b, -1, -1), t)
-        if i == 0:
-            yield ("prefill", i)
-            hidden = yield from _attempt(hooks, "prefill", info, lambda: model(
-                torch.cat([req.prefix_embeds, target], dim=1), req.rope_cos, req.rope_sin, req.attention_mask,
-                caches, req.prefix_valid, "prefill"), retries=retries)
-            hidden = hidden[:, P:]
-        else:
-            yield ("step", i)
-            hidden = yield from _attempt(hooks, "step", dict(step=i, **info), lambda: model(
-                target, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, caches, req.prefix_valid,
-                "step"), retries=retries)
-        v = model.velocity(hidden)
-        v = v[1] + guidance_scale * (v[0] - v[1]) if b == 2 else v[0]
-        x = x + (sigmas[i + 1] - sigmas[i]) * v
-    return x
+    """The library's HunyuanImage-3 loop, paced; returns the latents."""
+    loop = models.hunyuan_steps(model, prompts, prefix_capacity=prefix_capacity, num_steps=num_steps, seed=seed,
+                                guidance_scale=guidance_scale, hooks=hooks)
+    return paced(loop, hooks, retries=retries)
 
 
 def run_to_end(gen, on_yield=None):
@@ -310,20 +252,6 @@ def same(a, b, atol=RETRY_ATOL):
     a = torch.stack(a) if isinstance(a, list) else a
     b = torch.stack(b) if isinstance(b, list) else b
     return a.shape == b.shape and (a - b).abs().max().item() <= atol
-
-
-# ---- the drivers are the library loops ---------------------------------------------------------------------
-def test_generator_loops_are_the_library_loops():
-    model = DreamZeroModel(DZ_CFG, seed=1)
-    want = dreamzero_rollout(model, num_chunks=7, num_inference_steps=2, seed=4)
-    got = run_to_end(dreamzero_steps(model, DenseHooks(), num_chunks=7, steps=2, seed=4))
-    assert torch.equal(torch.stack(got["video"]), want["video"]) and want["resets"]
-    assert torch.equal(torch.stack(got["actions"]), want["actions"])
-    hy = HunyuanImage3Model(HY_CFG, seed=2)
-    p = prompts([7, 4])
-    want = hunyuan_generate(hy, p, prefix_capacity=HY_CAPACITY, num_steps=3, seed=5)
-    got = run_to_end(hunyuan_steps(hy, DenseHooks(), p, prefix_capacity=HY_CAPACITY, num_steps=3, seed=5))
-    assert torch.equal(got, want)
 
 
 # ---- exceptions inside a compiled forward ------------------------------------------------------------------

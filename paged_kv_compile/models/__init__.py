@@ -14,8 +14,9 @@ from .dreamzero import (
     DreamZeroConfig,
     DreamZeroModel,
     dreamzero_rollout,
+    dreamzero_steps,
 )
-from .hooks import DenseHooks
+from .hooks import DenseHooks, Forward, drive
 from .hunyuan_image3 import (
     HUNYUAN_IMAGE3,
     HunyuanAttention,
@@ -27,12 +28,17 @@ from .hunyuan_image3 import (
     hunyuan_attention_mask,
     hunyuan_generate,
     hunyuan_positions,
+    hunyuan_steps,
     hunyuan_rope_tables,
     repeat_kv,
 )
 
 __all__ = [
     "DenseHooks",
+    "Forward",
+    "drive",
+    "dreamzero_steps",
+    "hunyuan_steps",
     "DreamZeroConfig",
     "DreamZeroModel",
     "CausalWanBlock",

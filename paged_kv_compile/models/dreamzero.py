@@ -27,7 +27,7 @@ from .common import (
     seeded_init_,
     sinusoidal_embedding,
 )
-from .hooks import DenseHooks
+from .hooks import DenseHooks, Forward, Steps, drive
 
 UNBOUNDED_WINDOW_FRAMES = 21  # Wan causal models attend over 21 frames when local_attn_size == -1
 
@@ -439,8 +439,7 @@ class DreamZeroModel(nn.Module):
         return video, action, (new_caches if update_kv_cache else kv_caches)
 
 
-@torch.no_grad()
-def dreamzero_rollout(
+def dreamzero_steps(
     model: DreamZeroModel,
     *,
     num_chunks: int,
@@ -450,23 +449,12 @@ def dreamzero_rollout(
     hooks: DenseHooks | None = None,
     context: torch.Tensor | None = None,
     image_context: torch.Tensor | None = None,
-) -> dict:
-    """Generate `num_chunks` chunks autoregressively; one call is one session.
+    out: dict | None = None,
+) -> Steps:
+    """The rollout as a step generator: yields a `Forward` per model forward (see `models/hooks.py`).
 
-    Two CFG branches are batch rows (row 0: conditional text, row 1: empty text), each with its own
-    cache row. Per chunk:
-      1. if a previous clean chunk exists: commit forward over it at its own start frame, timestep 0,
-         `update_kv_cache=True`, inside `hooks.forward("commit", start_frame=...)`; its K/V becomes
-         history (the window slides once it is full);
-      2. `num_inference_steps` denoising forwards of the current chunk at `current_start_frame`
-         (`hooks.forward("denoise", start_frame=..., step=i)`, `update_kv_cache=False`), CFG
-         combine v = v_u + g (v_c - v_u), Euler step x += (t_next - t) v from seeded noise;
-      3. advance current_start_frame by num_frame_per_block; when it reaches window_reset_frames:
-         `hooks.window_reset()`, fresh caches from `hooks.caches`, current_start_frame = 0,
-         nothing to commit next.
-    context (1, text_len, text_dim) / image_context (1, image_len, image_dim) default to seeded
-    random features. Returns dict(video (num_chunks, chunk_tokens, in_channels), actions
-    (num_chunks, A, action_dim), start_frames [int], resets [chunk index after which the window reset]).
+    Completed chunks are appended to `out["video"]` / `out["actions"]` as they finish (what a session
+    stopped early produced); returns what `dreamzero_rollout` returns.
     """
     cfg = model.cfg
     hooks = hooks if hooks is not None else DenseHooks()
@@ -494,31 +482,34 @@ def dreamzero_rollout(
     sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
     L, A = cfg.chunk_tokens, cfg.action_register_length
     current_start_frame, previous = 0, None
-    videos, actions, start_frames, resets = [], [], [], []
+    out = out if out is not None else {}
+    for key in ("video", "actions"):
+        out.setdefault(key, [])
+    start_frames, resets = [], []
     for chunk in range(num_chunks):
         if previous is not None:
             prev_start, prev_video, prev_action = previous
-            with hooks.forward("commit", start_frame=prev_start, num_frames=cfg.num_frame_per_block):
-                _, _, caches = model(
-                    prev_video.expand(2, -1, -1), prev_action.expand(2, -1, -1),
-                    torch.zeros(2, device=device), prev_start, caches, cross_kvs, update_kv_cache=True,
-                )  # fmt: skip
+            _, _, caches = yield Forward(
+                "commit", chunk,
+                lambda: model(prev_video.expand(2, -1, -1), prev_action.expand(2, -1, -1),
+                              torch.zeros(2, device=device), prev_start, caches, cross_kvs, update_kv_cache=True),
+                dict(start_frame=prev_start, num_frames=cfg.num_frame_per_block),
+            )  # fmt: skip
         x, a = noise(1, L, cfg.in_channels), noise(1, A, cfg.action_dim)
         for i in range(steps):
             t = torch.full((2,), sigmas[i] * 1000.0, device=device)
-            with hooks.forward(
-                "denoise", start_frame=current_start_frame, num_frames=cfg.num_frame_per_block, step=i
-            ):
-                v_x, v_a, _ = model(
-                    x.expand(2, -1, -1), a.expand(2, -1, -1), t, current_start_frame, caches, cross_kvs,
-                    update_kv_cache=False,
-                )  # fmt: skip
+            v_x, v_a, _ = yield Forward(
+                "denoise", chunk,
+                lambda: model(x.expand(2, -1, -1), a.expand(2, -1, -1), t, current_start_frame, caches, cross_kvs,
+                              update_kv_cache=False),
+                dict(start_frame=current_start_frame, num_frames=cfg.num_frame_per_block, step=i),
+            )  # fmt: skip
             v_x = v_x[1:] + guidance_scale * (v_x[:1] - v_x[1:])
             v_a = v_a[1:] + guidance_scale * (v_a[:1] - v_a[1:])
             x = x + (sigmas[i + 1] - sigmas[i]) * v_x
             a = a + (sigmas[i + 1] - sigmas[i]) * v_a
-        videos.append(x[0])
-        actions.append(a[0])
+        out["video"].append(x[0])
+        out["actions"].append(a[0])
         start_frames.append(current_start_frame)
         previous = (current_start_frame, x, a)
         current_start_frame += cfg.num_frame_per_block
@@ -528,8 +519,43 @@ def dreamzero_rollout(
             current_start_frame, previous = 0, None
             resets.append(chunk)
     return {
-        "video": torch.stack(videos),
-        "actions": torch.stack(actions),
+        "video": torch.stack(out["video"]),
+        "actions": torch.stack(out["actions"]),
         "start_frames": start_frames,
         "resets": resets,
     }
+
+
+@torch.no_grad()
+def dreamzero_rollout(
+    model: DreamZeroModel,
+    *,
+    num_chunks: int,
+    num_inference_steps: int | None = None,
+    guidance_scale: float = 5.0,
+    seed: int = 0,
+    hooks: DenseHooks | None = None,
+    context: torch.Tensor | None = None,
+    image_context: torch.Tensor | None = None,
+) -> dict:
+    """Generate `num_chunks` chunks autoregressively; one call is one session (`drive(dreamzero_steps(...))`).
+
+    Two CFG branches are batch rows (row 0: conditional text, row 1: empty text), each with its own
+    cache row. Per chunk:
+      1. if a previous clean chunk exists: commit forward over it at its own start frame, timestep 0,
+         `update_kv_cache=True`, inside `hooks.forward("commit", start_frame=...)`; its K/V becomes
+         history (the window slides once it is full);
+      2. `num_inference_steps` denoising forwards of the current chunk at `current_start_frame`
+         (`hooks.forward("denoise", start_frame=..., step=i)`, `update_kv_cache=False`), CFG
+         combine v = v_u + g (v_c - v_u), Euler step x += (t_next - t) v from seeded noise;
+      3. advance current_start_frame by num_frame_per_block; when it reaches window_reset_frames:
+         `hooks.window_reset()`, fresh caches from `hooks.caches`, current_start_frame = 0,
+         nothing to commit next.
+    context (1, text_len, text_dim) / image_context (1, image_len, image_dim) default to seeded
+    random features. Returns dict(video (num_chunks, chunk_tokens, in_channels), actions
+    (num_chunks, A, action_dim), start_frames [int], resets [chunk index after which the window reset]).
+    """
+    hooks = hooks if hooks is not None else DenseHooks()
+    return drive(dreamzero_steps(model, num_chunks=num_chunks, num_inference_steps=num_inference_steps,
+                                 guidance_scale=guidance_scale, seed=seed, hooks=hooks, context=context,
+                                 image_context=image_context), hooks)

@@ -1,18 +1,48 @@
 """The seam between the generation loops and whoever owns the KV memory.
 
-The loops (`dreamzero_rollout`, `hunyuan_generate`) never allocate caches themselves nor know about
-paging: they ask a hooks object for the caches and wrap every model forward in `hooks.forward(...)`.
-`DenseHooks` is the default: the model's own dense caches (`model.dense_caches`) and no-op contexts.
-A paged driver (`driver.PagedHooks`) hands out fixed-shape stand-ins instead and plans each forward
-inside `forward`. This module knows no model: the models import it, never the other way round.
+Each reference loop is written once, as a step generator (`dreamzero_steps`, `hunyuan_steps`): it
+asks a hooks object for the caches, and instead of calling the model it yields a `Forward` (its kind,
+what the plan needs to know, and the model call) and receives the call's result back. `drive` runs
+every `Forward` inside `hooks.forward(...)`; `dreamzero_rollout` / `hunyuan_generate` are exactly
+that. Other drivers (interleaving sessions, retrying a failed forward, timing each one) drive the same
+generators. `DenseHooks` is the default: the model's own dense caches (`model.dense_caches`) and
+no-op contexts; a paged driver (`driver.PagedHooks`) hands out stand-ins and plans each forward.
+This module knows no model: the models import it, never the other way round.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator
 
 import torch
+
+
+@dataclass
+class Forward:
+    """One model forward a loop asks for: run `call()` inside `hooks.forward(kind, **info)`, send back its result."""
+
+    kind: str  # "commit" | "denoise" (DreamZero), "prefill" | "step" (HunyuanImage-3)
+    index: int  # the chunk (DreamZero) or the denoising step (HunyuanImage-3) it belongs to
+    call: Callable[[], Any]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+#: A reference loop: yields each Forward, receives its result, returns the loop's result.
+Steps = Generator[Forward, Any, Any]
+
+
+def drive(steps: Steps, hooks: "DenseHooks") -> Any:
+    """Run a step generator to its end, every forward inside `hooks.forward`; returns the loop's result."""
+    result = None
+    while True:
+        try:
+            forward = steps.send(result)
+        except StopIteration as stop:
+            return stop.value
+        with hooks.forward(forward.kind, **forward.info):
+            result = forward.call()
 
 
 class DenseHooks:

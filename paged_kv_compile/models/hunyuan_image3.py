@@ -30,7 +30,7 @@ from .common import (
     seeded_init_,
     sinusoidal_embedding,
 )
-from .hooks import DenseHooks
+from .hooks import DenseHooks, Forward, Steps, drive
 
 MODES = ("prefill", "step")
 
@@ -431,6 +431,49 @@ class HunyuanImage3Model(nn.Module):
         return self.norm(h)
 
 
+def hunyuan_steps(
+    model: HunyuanImage3Model,
+    prompts: list[torch.Tensor],
+    *,
+    prefix_capacity: int | None = None,
+    num_steps: int = 4,
+    guidance_scale: float = 4.0,
+    seed: int = 0,
+    hooks: DenseHooks | None = None,
+) -> Steps:
+    """`hunyuan_generate` as a step generator: yields a `Forward` per model forward (see `models/hooks.py`)."""
+    cfg = model.cfg
+    hooks = hooks if hooks is not None else DenseHooks()
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    req = model.build_request(prompts, prefix_capacity)
+    b, P = req.batch, req.prefix_capacity
+    p = next(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen).to(device=p.device, dtype=p.dtype)
+    sigmas = torch.linspace(1.0, 0.0, num_steps + 1).tolist()
+    caches = hooks.caches(model, b, prefix_capacity=P)
+    info = dict(prefix_lens=list(req.prefix_lens), prefix_capacity=P, target_len=cfg.target_len)
+    for i in range(num_steps):
+        t = torch.full((b,), sigmas[i] * 1000.0, device=p.device)
+        target = model.embed_target(x.expand(b, -1, -1), t)
+        if i == 0:
+            hidden = yield Forward("prefill", i, lambda: model(
+                torch.cat([req.prefix_embeds, target], dim=1), req.rope_cos, req.rope_sin,
+                req.attention_mask, caches, req.prefix_valid, "prefill",
+            ), info)  # fmt: skip
+            hidden = hidden[:, P:]
+        else:
+            hidden = yield Forward("step", i, lambda: model(
+                target, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, caches,
+                req.prefix_valid, "step",
+            ), dict(step=i, **info))  # fmt: skip
+        v = model.velocity(hidden)
+        v = v[1] + guidance_scale * (v[0] - v[1]) if b == 2 else v[0]
+        x = x + (sigmas[i + 1] - sigmas[i]) * v
+    return x
+
+
 @torch.no_grad()
 def hunyuan_generate(
     model: HunyuanImage3Model,
@@ -449,37 +492,8 @@ def hunyuan_generate(
     whole (b, P + T) sequence inside `hooks.forward("prefill", ...)`; steps 1..num_steps-1 run
     `"step"` over the target span (b, T) only, inside `hooks.forward("step", step=i, ...)`. Each
     step: velocity at the image tokens, CFG combine v = v_u + g (v_c - v_u) with 2 rows, Euler
-    update x += (t_next - t) v (t from 1 to 0) starting from seeded noise.
+    update x += (t_next - t) v (t from 1 to 0) starting from seeded noise. `drive(hunyuan_steps(...))`.
     """
-    cfg = model.cfg
     hooks = hooks if hooks is not None else DenseHooks()
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    req = model.build_request(prompts, prefix_capacity)
-    b, P = req.batch, req.prefix_capacity
-    p = next(model.parameters())
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen).to(device=p.device, dtype=p.dtype)
-    sigmas = torch.linspace(1.0, 0.0, num_steps + 1).tolist()
-    caches = hooks.caches(model, b, prefix_capacity=P)
-    info = dict(prefix_lens=list(req.prefix_lens), prefix_capacity=P, target_len=cfg.target_len)
-    for i in range(num_steps):
-        t = torch.full((b,), sigmas[i] * 1000.0, device=p.device)
-        target = model.embed_target(x.expand(b, -1, -1), t)
-        if i == 0:
-            with hooks.forward("prefill", **info):
-                hidden = model(
-                    torch.cat([req.prefix_embeds, target], dim=1), req.rope_cos, req.rope_sin,
-                    req.attention_mask, caches, req.prefix_valid, "prefill",
-                )  # fmt: skip
-            hidden = hidden[:, P:]
-        else:
-            with hooks.forward("step", step=i, **info):
-                hidden = model(
-                    target, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, caches,
-                    req.prefix_valid, "step",
-                )  # fmt: skip
-        v = model.velocity(hidden)
-        v = v[1] + guidance_scale * (v[0] - v[1]) if b == 2 else v[0]
-        x = x + (sigmas[i + 1] - sigmas[i]) * v
-    return x
+    return drive(hunyuan_steps(model, prompts, prefix_capacity=prefix_capacity, num_steps=num_steps,
+                               guidance_scale=guidance_scale, seed=seed, hooks=hooks), hooks)
