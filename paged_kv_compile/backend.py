@@ -17,8 +17,9 @@ Options (``options=`` of torch.compile; defaults come from the bound runtime's c
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -30,8 +31,27 @@ from .passes.rewrite import PassResult, rewrite
 
 OPTION_NAMES = ("kernel", "inner_compiler", "strict", "dump_dir", "check_mask")
 
-#: Every pass result of this process, newest last (what `paged-kv dump` and the tests read).
-REPORTS: list[PassResult] = []
+_RECORDERS: list[list[PassResult]] = []  # the open `record_passes()` blocks, innermost last
+
+
+@contextlib.contextmanager
+def record_passes() -> Iterator[list[PassResult]]:
+    """Collect the pass result of every graph the backend compiles inside the block (the demo, the tests).
+
+    Each compiled paged function also keeps its own as `fn.pass_result`.
+    """
+    got: list[PassResult] = []
+    _RECORDERS.append(got)
+    try:
+        yield got
+    finally:
+        _RECORDERS.remove(got)
+
+
+def _record(result: PassResult) -> PassResult:
+    for recorder in _RECORDERS:
+        recorder.append(result)
+    return result
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -102,7 +122,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     runtime = _runtime_of_inputs(example_inputs)
     opts = _resolve_options(options, runtime)
     if not any(binding.is_standin(v) for v in example_inputs):
-        REPORTS.append(rewrite(gm, example_inputs, is_standin=binding.is_standin))
+        _record(rewrite(gm, example_inputs, is_standin=binding.is_standin))
         return _inner_compile(opts["inner_compiler"], gm, example_inputs)
 
     from .debug import maybe_dump
@@ -110,7 +130,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     new_gm = _copy_graph_module(gm)
     before = new_gm.print_readable(print_output=False)
     result = rewrite(new_gm, example_inputs, is_standin=binding.is_standin, kernel=opts["kernel"], strict=opts["strict"])
-    REPORTS.append(result)
+    _record(result)
     maybe_dump(opts["dump_dir"], before, result)
     if not result.changed:
         return _inner_compile(opts["inner_compiler"], new_gm, example_inputs)
@@ -164,7 +184,7 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
         for index in mask_inputs:
             runtime.check_dense_mask(args[index])
         meta = active.meta
-        active.layers_seen.update(layers)
+        runtime.record_layers(layers)
         extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
         for layer in layers:
             views = meta.layers[layer]

@@ -253,7 +253,7 @@ def _unique_graphs() -> int:
 def cmd_demo(args) -> int:
     import torch
 
-    from .backend import REPORTS
+    from .backend import record_passes
     from .capture import format_bucket, warm_up
 
     device = _device(args)
@@ -264,19 +264,20 @@ def cmd_demo(args) -> int:
     dense = setup.run_dense(_dense_hooks(setup, dense_timer, kv))
 
     torch._dynamo.reset()
-    n_reports, graphs0 = len(REPORTS), _unique_graphs()
+    graphs0 = _unique_graphs()
     _compile_blocks(setup, args.kernel, args.inner_compiler)
-    t0 = time.perf_counter()
-    captured = warm_up(setup.model, setup.runtime, progress=not args.quiet)
-    warmup_s = time.perf_counter() - t0
-    paged_timer, buckets_used = _Timer(device), []
-    graphs_warm = _unique_graphs()
-    with captured.serving():
-        paged = setup.run_paged(_paged_hooks_factory(setup.runtime, paged_timer, buckets_used))
+    with record_passes() as passes:
+        t0 = time.perf_counter()
+        captured = warm_up(setup.model, setup.runtime, progress=not args.quiet)
+        warmup_s = time.perf_counter() - t0
+        paged_timer, buckets_used = _Timer(device), []
+        graphs_warm = _unique_graphs()
+        with captured.serving():
+            paged = setup.run_paged(_paged_hooks_factory(setup.runtime, paged_timer, buckets_used))
     captured.uninstall()
     frames = _unique_graphs() - graphs0
     serving_compiles = _unique_graphs() - graphs_warm
-    reports = [r for res in REPORTS[n_reports:] for r in res.reports]
+    reports = [r for res in passes for r in res.reports]
     status = {s: sum(r.status == s for r in reports) for s in ("rewritten", "dense", "refused")}
 
     diff = setup.compare(dense, paged)

@@ -62,9 +62,7 @@ class PagedKVRuntime:
         binding.register_standin_storage(self._standin_base)
         self._writable_standins: dict[tuple[int, ...], torch.Tensor] = {}
         self.bucket_misses: collections.Counter[Bucket] = collections.Counter()  # shape -> forwards refused/let through
-        #: When True, a forward whose shape is not among the configured buckets runs as its own bucket
-        #: (recorded in `bucket_misses`) instead of raising; set by capture.CapturedBlocks(fallback="eager").
-        self.allow_unconfigured_buckets = False
+        self._allow_unconfigured = False  # see allow_unconfigured_buckets()
 
     # ---- binding and stand-ins ----------------------------------------------------------------
     def bind(self, layers: Sequence[torch.nn.Module]) -> None:
@@ -94,6 +92,11 @@ class PagedKVRuntime:
         return binding.is_standin(tensor)
 
     # ---- buckets ------------------------------------------------------------------------------
+    def allow_unconfigured_buckets(self, allowed: bool = True) -> None:
+        """Let a forward whose shape is not a configured bucket run as its own bucket (recorded in
+        `bucket_misses`) instead of raising; `capture.CapturedBlocks(fallback="eager")` turns it on."""
+        self._allow_unconfigured = allowed
+
     def bucket_for(self, rows: int, tokens: int, context: int) -> Bucket:
         """The configured bucket of exactly this shape (rows and tokens are what the model computes)."""
         wanted = Bucket(rows, tokens, context)
@@ -102,7 +105,7 @@ class PagedKVRuntime:
         if wanted in self.config.buckets:
             return wanted
         self.bucket_misses[wanted] += 1
-        if self.allow_unconfigured_buckets:
+        if self._allow_unconfigured:
             return wanted
         raise RequestError(
             f"no configured bucket for rows={rows}, tokens={tokens}, context={context}; configured: "
@@ -166,7 +169,7 @@ class PagedKVRuntime:
         """
         if self.active is not None:
             raise RequestError("a forward is already active on this runtime; warm up between forwards")
-        if self.config.buckets and bucket not in self.config.buckets and not self.allow_unconfigured_buckets:
+        if self.config.buckets and bucket not in self.config.buckets and not self._allow_unconfigured:
             raise RequestError(f"cannot warm up bucket {bucket}: not configured; configured: {sorted(self.config.buckets)}")
         meta = self.metadata.buffers(bucket)
         meta.fill_with_padding(self.pool)  # also forgets the last build's key: the next build is never skipped
@@ -187,6 +190,10 @@ class PagedKVRuntime:
 
     def hunyuan_forward(self, request_id: str, *, phase: str, prefix_capacity: int) -> contextlib.AbstractContextManager:
         return self.forward(self.scheduler.plan_hunyuan(request_id, phase=phase, prefix_capacity=prefix_capacity))
+
+    def record_layers(self, layers) -> None:
+        """Layers whose compiled site served the active forward (checked when it keeps its K/V)."""
+        self.require_active().layers_seen.update(layers)
 
     def require_active(self) -> ActiveForward:
         if self.active is None:

@@ -12,7 +12,7 @@ from _codecheck import pool_sized_allocations
 from helpers import CountingBackend, compile_blocks, raises_paged
 
 from paged_kv_compile import ConfigError, PassError
-from paged_kv_compile.backend import REPORTS
+from paged_kv_compile.backend import record_passes
 from paged_kv_compile.driver import dreamzero_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
@@ -111,12 +111,11 @@ def test_unknown_option_is_a_config_error():
 
 def test_pass_report_lists_every_site():
     cfg, model, rt, args = _dreamzero_block_setup("aot_eager")
-    n = len(REPORTS)
     compile_blocks(model.blocks, CountingBackend({"inner_compiler": "aot_eager"}))
-    with torch.no_grad(), rt.dreamzero_forward("s", commit=True):
+    with record_passes() as passes, torch.no_grad(), rt.dreamzero_forward("s", commit=True):
         for block in model.blocks:
             block(*args)
-    (result,) = REPORTS[n:]
+    (result,) = passes
     by_status = {r.status: r for r in result.reports}
     assert by_status["rewritten"].pattern == "dreamzero-window"
     assert "qkv" in by_status["rewritten"].layer_key
