@@ -1,9 +1,9 @@
 """The ``paged_kv::write_attend`` and ``paged_kv::attend`` custom ops: schema, fake kernel, checks, dispatch.
 
 ``write_attend`` mutates exactly one argument, the stacked all-layer pool, so Inductor re-inplaces it
-instead of cloning the pool (DESIGN.md, "One op, one mutated pool"). ``attend`` is the read-only twin
-for static regions. Kernels live in sibling modules and are imported only when selected: importing
-this module pulls in neither triton nor any vendor package.
+instead of cloning the pool (README.md, "Pool"; tests/test_op_compile.py checks the generated code).
+``attend`` is the read-only twin for static regions. Kernels live in sibling modules and are imported
+only when selected: importing this module pulls in neither triton nor any vendor package.
 
 ``visibility`` is a hint about the ``kv_visible_end`` pattern that vendor kernels need and cannot
 check without a host sync: "full" (every query that sees anything sees [0, seq_len)), "causal"
@@ -14,17 +14,11 @@ hint on their devices gives wrong attention. With CPU tensors and ``CHECK_VALUES
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import os
-from types import ModuleType
-
 import torch
 
 from ..config import KERNELS
 from ..errors import KernelUnavailableError, OpInputError
-from . import flash_attn, npu
+from . import kernels
 
 #: Value-range checks read tensors on the host. They run only when the inputs are on the CPU; a caller
 #: that wants no host work even there (benchmarks) sets this to False.
@@ -170,42 +164,17 @@ def _first_bad(name: str, t: torch.Tensor, bad: torch.Tensor, why: str) -> None:
         raise OpInputError(f"{name}{list(index)} = {int(t[index])} is {why}")
 
 
-@functools.cache
-def _installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
-
-
-def _triton_unavailable_reason(device: torch.device) -> str | None:
-    if not _installed("triton"):
-        return "kernel='triton' needs the triton package, which is not installed: pip install triton"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (
-            "kernel='triton' on CPU tensors needs TRITON_INTERPRET=1 set before the first call; "
-            "or use kernel='reference'"
-        )
-    if device.type not in ("cpu", "cuda"):
-        return f"kernel='triton' runs on CUDA tensors (or CPU under TRITON_INTERPRET=1), got {device.type}"
-    return None
-
-
 def unavailable_reason(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visibility: str) -> str | None:
     """Why `kernel` cannot run these inputs here (missing package, device, page size, layout), or None."""
-    if kernel == "reference":
-        return None
-    if kernel == "triton":
-        return _triton_unavailable_reason(query.device)
-    if kernel == "flash_attn":
-        return flash_attn.unavailable_reason(query, kv_pool, visibility)
-    return npu.unavailable_reason(query, kv_pool, visibility)
+    return kernels.get(kernel).unavailable_reason(query, kv_pool, visibility)
 
 
 def resolve_kernel(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visibility: str = "general") -> str:
     """The concrete kernel for `kernel` ("auto" picks the best usable one); raises KernelUnavailableError."""
     if kernel == "auto":
-        preference = {"cuda": ("flash_attn", "triton"), "npu": ("npu",)}.get(query.device.type, ())
-        for name in preference:
-            if unavailable_reason(name, query, kv_pool, visibility) is None:
-                return name
+        for candidate in kernels.auto_preference(query.device.type):
+            if candidate.unavailable_reason(query, kv_pool, visibility) is None:
+                return candidate.name
         return "reference"
     reason = unavailable_reason(kernel, query, kv_pool, visibility)
     if reason is not None:
@@ -213,17 +182,12 @@ def resolve_kernel(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visi
     return kernel
 
 
-def _kernel_module(name: str) -> ModuleType:
-    modules = {"reference": "reference", "triton": "triton_kernel", "flash_attn": "flash_attn", "npu": "npu"}
-    return importlib.import_module(f"{__package__}.{modules[name]}")
-
-
 def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility):
     validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility)
     name = resolve_kernel(kernel, query, kv_pool, visibility)
     if CHECK_VALUES and query.device.type == "cpu":
         check_values(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility)
-    module = _kernel_module(name)  # each kernel module has write_kv(...) and attend(..., visibility)
+    module = kernels.get(name).load()  # a kernel module: write_kv(...) and attend(..., visibility)
     if key is not None:
         module.write_kv(kv_pool, key, value, slot_mapping)
     return module.attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, visibility)
