@@ -1,6 +1,6 @@
 """Find pool-sized allocations and pool copies in Inductor's generated wrapper code.
 
-DESIGN.md requires that no compiled region allocates or copies a pool-sized buffer. Pass the code
+No compiled region may allocate or copy a pool-sized buffer (README.md, "Pool"). Pass the code
 strings from ``torch._inductor.utils.run_and_get_code`` and the pool's shape; an empty list means clean.
 """
 

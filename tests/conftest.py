@@ -1,4 +1,4 @@
-"""Shared test setup. TRITON_INTERPRET must be set before anything imports triton (notes/deps.md)."""
+"""Shared test setup. TRITON_INTERPRET must be set before anything imports triton."""
 
 import os
 

@@ -53,7 +53,8 @@ def test_compiled_op_writes_the_real_pool_and_matches_eager(backend, kernel):
 
 @torch.library.custom_op("paged_kv_test::write_two_views", mutates_args=("k_cache", "v_cache"))
 def _write_two_views(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor) -> None:
-    """The anti-pattern DESIGN.md forbids: K and V as two mutated views of one allocation."""
+    """The anti-pattern the one-mutated-pool rule forbids (README.md, "Pool"):
+    K and V as two mutated views of one allocation."""
     k_cache.view(-1)[: k.numel()].copy_(k.reshape(-1))
     v_cache.view(-1)[: k.numel()].copy_(k.reshape(-1))
 

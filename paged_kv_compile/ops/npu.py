@@ -5,7 +5,7 @@ Visibility other than "full" is passed as ``atten_mask`` ``[R, 1, T, M * B]`` (T
 built on the device. New K/V are written first by the shared torch helper; padded queries are zeroed
 afterwards (with masked_fill, so a NaN from a fully masked row cannot leak).
 
-Caveat (notes/anchors.md): ``actual_seq_lengths_kv`` is a host int list, so this adapter reads
+Caveat: ``actual_seq_lengths_kv`` is a host int list, so this adapter reads
 ``seq_lens`` on the host every call, and a captured NPU graph bakes those ints in: refresh them after
 capture (graph task update) or make them part of the capture key.
 """

@@ -1,7 +1,7 @@
 """The reference kernel (pure torch, every device) and the helpers the vendor adapters share.
 
 It is the oracle the other kernels are tested against. Attention gathers whole blocks of the row's
-table (`index_select` on the block axis), which DESIGN.md measured faster than per-token gathers, and
+table (`index_select` on the block axis), measured faster than per-token gathers during the design, and
 runs SDPA under a boolean mask built from `kv_visible_end` and `seq_lens`. Nothing here reads a
 value on the host, so the same code is safe under CUDA graphs.
 """
