@@ -20,12 +20,24 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..config import Bucket
+from ..config import Bucket, PagedKVConfig
 from ..layout import RowLayout
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def pool_config(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, owners: int, rows: int,
+                tokens_per_row: int, scratch_tokens_per_row: int, **overrides) -> PagedKVConfig:
+    """A pool for `owners` sessions/requests of `rows` rows, each row holding up to `tokens_per_row` tokens."""
+    fields = dict(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        blocks_per_layer=owners * rows * ceil_div(tokens_per_row, block_size), max_rows=rows,
+        scratch_tokens_per_row=scratch_tokens_per_row,
+    )
+    fields.update(overrides)
+    return PagedKVConfig(**fields)
 
 
 @dataclass

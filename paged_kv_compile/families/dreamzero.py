@@ -19,7 +19,7 @@ from ..config import Bucket, PagedKVConfig
 from ..errors import CapacityError, ConfigError, RequestError
 from ..layout import RowLayout
 from ..models.dreamzero import DreamZeroModel
-from .base import BlockSource, ForwardPlan, Owner, ceil_div
+from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config
 
 NAME = "dreamzero"
 KINDS = ("commit", "denoise")
@@ -87,15 +87,11 @@ def dreamzero_buckets(model_cfg, rows: int | Sequence[int] = 2) -> tuple[Bucket,
 def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessions: int = 1, rows: int = 2,
                              **overrides) -> PagedKVConfig:
     """A pool for `sessions` DreamZero sessions of `rows` CFG rows each (one window per row)."""
-    block_size = block_size or model_cfg.frame_seqlen
-    per_row = ceil_div(model_cfg.max_attention_size, block_size)
-    fields = dict(
+    return pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
-        block_size=block_size, blocks_per_layer=sessions * rows * per_row, max_rows=rows,
-        scratch_tokens_per_row=model_cfg.tokens_per_forward,
+        block_size=block_size or model_cfg.frame_seqlen, owners=sessions, rows=rows,
+        tokens_per_row=model_cfg.max_attention_size, scratch_tokens_per_row=model_cfg.tokens_per_forward, **overrides,
     )
-    fields.update(overrides)
-    return PagedKVConfig(**fields)
 
 
 def _kept_blocks(spec: DreamZeroSpec, block_size: int) -> tuple[int, int]:

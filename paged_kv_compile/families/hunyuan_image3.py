@@ -17,7 +17,7 @@ from ..config import Bucket, PagedKVConfig
 from ..errors import ConfigError, RequestError
 from ..layout import RowLayout
 from ..models.hunyuan_image3 import HunyuanImage3Model, HunyuanKVCache
-from .base import BlockSource, ForwardPlan, Owner, ceil_div
+from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config
 
 NAME = "hunyuan_image3"
 KINDS = ("prefill", "step")
@@ -66,14 +66,11 @@ def hunyuan_buckets(model_cfg, prefix_capacities: Sequence[int], rows: Sequence[
 def hunyuan_runtime_config(model_cfg, *, max_prefix: int, block_size: int = 16, requests: int = 1, rows: int = 2,
                            **overrides) -> PagedKVConfig:
     """A pool for `requests` HunyuanImage-3 requests whose prompts are at most `max_prefix` tokens."""
-    per_row = ceil_div(max_prefix, block_size)
-    fields = dict(
+    return pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
-        block_size=block_size, blocks_per_layer=requests * rows * per_row, max_rows=rows,
-        scratch_tokens_per_row=model_cfg.target_len,
+        block_size=block_size, owners=requests, rows=rows, tokens_per_row=max_prefix,
+        scratch_tokens_per_row=model_cfg.target_len, **overrides,
     )
-    fields.update(overrides)
-    return PagedKVConfig(**fields)
 
 
 def hunyuan_spec(model_cfg, prompts: list[torch.Tensor]) -> HunyuanSpec:
