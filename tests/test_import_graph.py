@@ -1,0 +1,125 @@
+"""Who imports whom inside `paged_kv_compile`: no circles, and the layers the README describes.
+
+Read statically from every module's source (module-level and function-level imports alike, except
+`if TYPE_CHECKING:` blocks), so a circle hidden behind a lazy import is found too. Importing a
+submodule also runs its parent packages' `__init__`; those implicit edges are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "paged_kv_compile"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The package modules `path` imports (resolved: `from . import x` names module x when it is one)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == PACKAGE:
+                subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+                found.update(subs if subs and len(subs) == len(node.names) else [target, *subs])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    found.discard(name)
+    return {m for m in found if m in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = sorted(ROOT.rglob("*.py"))
+    modules = {_module_name(p) for p in paths}
+    return {_module_name(p): _imports(p, modules) for p in paths}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = dfs(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = dfs(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_package_has_no_import_circle():
+    cycle = _find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _layer(prefix: str) -> dict[str, set[str]]:
+    return {m: deps for m, deps in import_graph().items() if m == prefix or m.startswith(prefix + ".")}
+
+
+@pytest.mark.parametrize("layer, allowed", [
+    # the dense reference models know nothing of paging
+    ("paged_kv_compile.models", ("paged_kv_compile.models",)),
+    # warm-up and capture hold no family knowledge: they reach a model only through families/
+    ("paged_kv_compile.capture", ("paged_kv_compile.capture", "paged_kv_compile.families", "paged_kv_compile.binding",
+                                  "paged_kv_compile.config", "paged_kv_compile.errors")),
+    # the generic site analysis knows no family
+    ("paged_kv_compile.passes.site", ("paged_kv_compile.passes.common", "paged_kv_compile.families.base")),
+    ("paged_kv_compile.passes.common", ()),
+    # the op and its kernels know nothing of runtimes, families or models
+    ("paged_kv_compile.ops", ("paged_kv_compile.ops", "paged_kv_compile.config", "paged_kv_compile.errors")),
+])
+def test_layers_import_only_what_they_may(layer, allowed):
+    bad = {m: sorted(d for d in deps if not (allowed and d.startswith(allowed)))
+           for m, deps in _layer(layer).items()}
+    bad = {m: d for m, d in bad.items() if d}
+    assert not bad, f"{layer} imports outside its layer: {bad}"
