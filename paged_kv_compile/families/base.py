@@ -29,8 +29,10 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def pool_config(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, owners: int, rows: int,
-                tokens_per_row: int, scratch_tokens_per_row: int, **overrides) -> PagedKVConfig:
-    """A pool for `owners` sessions/requests of `rows` rows, each row holding up to `tokens_per_row` tokens."""
+                tokens_per_row: int, scratch_tokens_per_row: int, overrides: dict) -> PagedKVConfig:
+    """A pool for `owners` sessions/requests of `rows` rows, each row holding up to `tokens_per_row` tokens.
+
+    `overrides` replace any of the derived fields (even num_kv_heads: tests build mismatched pools)."""
     fields = dict(
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
         blocks_per_layer=owners * rows * ceil_div(tokens_per_row, block_size), max_rows=rows,

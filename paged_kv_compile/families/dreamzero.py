@@ -90,7 +90,8 @@ def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessio
     return pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
         block_size=block_size or model_cfg.frame_seqlen, owners=sessions, rows=rows,
-        tokens_per_row=model_cfg.max_attention_size, scratch_tokens_per_row=model_cfg.tokens_per_forward, **overrides,
+        tokens_per_row=model_cfg.max_attention_size, scratch_tokens_per_row=model_cfg.tokens_per_forward,
+        overrides=overrides,
     )
 
 
