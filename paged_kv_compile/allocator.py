@@ -74,25 +74,25 @@ class BlockAllocator(Protocol):
 # ---- shared validation --------------------------------------------------------------------------
 
 
-def _check_num_blocks(num_blocks: Any) -> int:
-    if isinstance(num_blocks, bool):
-        raise ConfigError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+def _as_int(value: Any, message: str) -> int:
+    """`value` as an int; a bool or a non-integer is refused with `message`."""
+    if isinstance(value, bool):
+        raise ConfigError(message)
     try:
-        n = operator.index(num_blocks)
+        return operator.index(value)
     except TypeError:
-        raise ConfigError(f"num_blocks must be an int >= 1, got {num_blocks!r}") from None
+        raise ConfigError(message) from None
+
+
+def _check_num_blocks(num_blocks: Any) -> int:
+    n = _as_int(num_blocks, f"num_blocks must be an int >= 1, got {num_blocks!r}")
     if n < 1:
         raise ConfigError(f"an allocator needs at least 1 block, got num_blocks={n}: raise blocks_per_layer")
     return n
 
 
 def _check_count(n: Any) -> int:
-    if isinstance(n, bool):
-        raise ConfigError(f"allocate(n) needs an int n >= 0, got {n!r}")
-    try:
-        k = operator.index(n)
-    except TypeError:
-        raise ConfigError(f"allocate(n) needs an int n >= 0, got {n!r}") from None
+    k = _as_int(n, f"allocate(n) needs an int n >= 0, got {n!r}")
     if k < 0:
         raise ConfigError(f"allocate(n) needs n >= 0, got {k}")
     return k
