@@ -14,14 +14,11 @@ import datetime
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `paged_kv_compile` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

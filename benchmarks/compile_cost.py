@@ -18,12 +18,8 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

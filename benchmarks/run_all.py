@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import compile_cost, forward_time, memory, metadata_cost, plots  # noqa: E402
 from benchmarks._common import DOCS, bench_settings, format_table, machine_info, markdown_table  # noqa: E402

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -403,6 +403,17 @@ def discover_benchmarks(directory: Path) -> dict[str, Path]:
     return found
 
 
+#: Runs `<package>.<name>.main(argv)` in a fresh interpreter started in the package's parent folder.
+_BENCH_RUNNER = "import importlib, sys; sys.exit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))"
+
+
+def _run_benchmark(directory: Path, name: str, argv: list[str]) -> int:
+    """`python -m`-style: the benchmarks folder is a package imported from its parent; no sys.path edits."""
+    directory = directory.resolve()
+    module = f"{directory.name}.{name}"
+    return subprocess.run([sys.executable, "-c", _BENCH_RUNNER, module, *argv], cwd=directory.parent).returncode
+
+
 def cmd_bench(args) -> int:
     directory = _bench_dir(args.dir)
     found = discover_benchmarks(directory)
@@ -422,19 +433,9 @@ def cmd_bench(args) -> int:
         raise UsageError(f"unknown benchmark(s) {unknown}; available: {', '.join(found)}")
     status = 0
     for name in names:
-        spec = importlib.util.spec_from_file_location(f"paged_kv_benchmarks.{name}", found[name])
-        module = importlib.util.module_from_spec(spec)
-        # Scripts import their helpers as `_common` or `benchmarks._common`: both directories on the path.
-        paths = [str(found[name].parent), str(found[name].parent.parent)]
-        sys.path[:0] = paths
-        try:
-            spec.loader.exec_module(module)
-            if len(names) > 1:
-                print(f"== {name}", flush=True)
-            code = module.main(list(args.bench_args))
-        finally:
-            for path in paths:
-                sys.path.remove(path)
+        if len(names) > 1:
+            print(f"== {name}", flush=True)
+        code = _run_benchmark(directory, name, list(args.bench_args))
         status = status or (int(code) if code else 0)
     return status
 

@@ -127,7 +127,8 @@ def test_bench_without_scripts_says_so(capsys, tmp_path):
     assert err.count("\n") == 1 and "no benchmark scripts" in err
 
 
-def test_bench_discovers_and_runs_main(capsys, tmp_path):
+def test_bench_discovers_and_runs_main(capfd, tmp_path):
+    """Each benchmark runs as `<folder>.<name>` imported from the folder's parent (no sys.path edits)."""
     (tmp_path / "alpha.py").write_text(
         "import sys\n"
         "def main(argv):\n"
@@ -137,13 +138,16 @@ def test_bench_discovers_and_runs_main(capsys, tmp_path):
     (tmp_path / "beta.py").write_text("def main(argv):\n    print('beta')\n    return 3\n")
     (tmp_path / "_helper.py").write_text("def main(argv):\n    raise SystemExit('not a benchmark')\n")
     (tmp_path / "notes.py").write_text("X = 1\n")  # no main(argv): not a benchmark
-    code, out, _ = _run(capsys, "bench", "--dir", str(tmp_path), "--list")
-    assert code == 0 and [line.split("\t")[0] for line in out.splitlines()] == ["alpha", "beta"]
-    code, out, _ = _run(capsys, "bench", "--dir", str(tmp_path), "alpha", "--", "--rows", "2")
+    (tmp_path / "gamma.py").write_text("from . import alpha\ndef main(argv):\n    print(alpha.__name__)\n")
+    code, out, _ = _run(capfd, "bench", "--dir", str(tmp_path), "--list")
+    assert code == 0 and [line.split("\t")[0] for line in out.splitlines()] == ["alpha", "beta", "gamma"]
+    code, out, _ = _run(capfd, "bench", "--dir", str(tmp_path), "alpha", "--", "--rows", "2")
     assert code == 0 and "alpha ['--rows', '2']" in out
-    code, out, _ = _run(capsys, "bench", "--dir", str(tmp_path))
+    code, out, _ = _run(capfd, "bench", "--dir", str(tmp_path), "gamma")  # imported as a package module
+    assert code == 0 and out.strip() == f"{tmp_path.name}.alpha"
+    code, out, _ = _run(capfd, "bench", "--dir", str(tmp_path))  # every benchmark found
     assert code == 3 and "== alpha" in out and "beta" in out
-    code, _, err = _run(capsys, "bench", "--dir", str(tmp_path), "gamma")
+    code, _, err = _run(capfd, "bench", "--dir", str(tmp_path), "delta")
     assert code == 2 and "unknown benchmark" in err
 
 
