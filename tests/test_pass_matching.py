@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from helpers import CountingBackend, compile_blocks, hunyuan_qkv, raises_paged
 
-from paged_kv_compile import PassError
+from paged_kv_compile import PassError, RequestError
 from paged_kv_compile.driver import (
     dreamzero_runtime_config,
     hunyuan_runtime_config,
@@ -92,6 +92,42 @@ def hunyuan_tiled_gqa(self, hidden_states, rope_cos, rope_sin, attention_mask, p
     return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
+def dreamzero_rope_all_then_slice(self, x, rope_cos, rope_sin, kv_cache):
+    """vllm-omni's idiom (causal_wan_model.py): RoPE over [video | registers] in ONE call, then slice both.
+
+    Video and register keys are then slices of one roped tensor: only the graph says which of its tokens
+    pass the cache concatenation and the window slice (the chunk) and which are appended after (registers).
+    """
+    b, s, _ = x.shape
+    A, M = self.action_register_length, self.max_attention_size
+    q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, self.head_dim).unbind(2)
+    q, k = self.norm_q(q), self.norm_k(k)
+    cos = torch.cat([rope_cos, torch.ones_like(rope_cos[:A])])  # registers: their own (here identity) angles
+    sin = torch.cat([rope_sin, torch.zeros_like(rope_sin[:A])])
+    roped_q, roped_k = apply_rope_3d(q, cos, sin), apply_rope_3d(k, cos, sin)
+    roped_action_q, roped_q = roped_q[:, -A:], roped_q[:, :-A]
+    roped_action_k, roped_k = roped_k[:, -A:], roped_k[:, :-A]
+    action_v, v = v[:, -A:], v[:, :-A]
+    new_k = torch.cat([kv_cache[0], roped_k], dim=1)[:, -M:]
+    new_v = torch.cat([kv_cache[1], v], dim=1)[:, -M:]
+    q = torch.cat([roped_q, roped_action_q], dim=1)
+    k = torch.cat([new_k, roped_action_k], dim=1)
+    v = torch.cat([new_v, action_v], dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    return self.o(out.flatten(2)), torch.stack([new_k, new_v])
+
+
+def dreamzero_registers_through_window(self, x, rope_cos, rope_sin, kv_cache):
+    """Registers concatenated with the chunk BEFORE the window slice: the cache would keep them."""
+    b, s, _ = x.shape
+    M = self.max_attention_size
+    q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, self.head_dim).unbind(2)
+    new_k = torch.cat([kv_cache[0], k], dim=1)[:, -M:]
+    new_v = torch.cat([kv_cache[1], v], dim=1)[:, -M:]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), new_k.transpose(1, 2), new_v.transpose(1, 2))
+    return self.o(out.transpose(1, 2).flatten(2)), torch.stack([new_k, new_v])
+
+
 def dreamzero_manual_softmax(self, x, rope_cos, rope_sin, kv_cache):
     """Attention written by hand (matmul + softmax): no SDPA site to rewrite."""
     b, s, _ = x.shape
@@ -130,6 +166,24 @@ def _run_hunyuan(monkeypatch, forward, options):
     compile_blocks(model.layers, backend)
     paged = paged_hunyuan_generate(model, rt, prompts, prefix_capacity=9, num_steps=3)
     return dense, paged, backend
+
+
+def test_dreamzero_rope_over_registers_then_slice_is_rewritten(monkeypatch):
+    """Which new keys are the chunk comes from the window slice in the graph, not from separate leaves."""
+    dense, paged, backend = _run_dreamzero(monkeypatch, dreamzero_rope_all_then_slice, {"inner_compiler": "aot_eager"})
+    assert (dense["video"] - paged["video"]).abs().max().item() <= ATOL
+    assert (dense["actions"] - paged["actions"]).abs().max().item() <= ATOL
+    assert backend.frames == 1
+    result = backend.results[0]
+    assert [r.pattern for r in result.reports if r.status == "rewritten"] == ["dreamzero-window"]
+    cfg = dz.DreamZeroConfig()
+    assert (result.expect.chunk_tokens, result.expect.action_tokens) == (cfg.chunk_tokens, cfg.action_register_length)
+
+
+def test_dreamzero_registers_kept_by_the_window_are_refused(monkeypatch):
+    """All new tokens pass the window (the registers would become history): not the session's layout."""
+    with raises_paged(RequestError, "chunk_tokens"):
+        _run_dreamzero(monkeypatch, dreamzero_registers_through_window, {"inner_compiler": "aot_eager"})
 
 
 def test_dreamzero_bhsd_concat_wrapper_is_rewritten(monkeypatch):

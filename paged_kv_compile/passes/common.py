@@ -73,8 +73,8 @@ def movement_leaves(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     return sorted(leaves, key=order.__getitem__), sorted(moves, key=order.__getitem__)
 
 
-def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node]) -> torch.Tensor | None:
-    """Run the movement subgraph on tag tensors; None when it cannot be evaluated statically."""
+def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node]) -> dict[fx.Node, object] | None:
+    """Run the movement subgraph on tag tensors: every node's tags; None when it cannot be evaluated statically."""
     values: dict[fx.Node, object] = {}
     for i, leaf in enumerate(leaves):
         ex = example(leaf)
@@ -104,8 +104,7 @@ def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node]) -> tor
                 values[n] = getattr(args[0], method)(*args[1:], **kwargs)
     except (KeyError, RuntimeError, TypeError, IndexError, ValueError):
         return None
-    out = values.get(node)
-    return out if isinstance(out, torch.Tensor) else None
+    return values if isinstance(values.get(node), torch.Tensor) else None
 
 
 @dataclass
@@ -125,6 +124,10 @@ class Provenance:
 
     columns: list[tuple[fx.Node, int]]
     uses: dict[fx.Node, LeafUse] = field(default_factory=dict)
+    leaves: list[fx.Node] = field(default_factory=list)
+    moves: list[fx.Node] = field(default_factory=list)
+    values: dict[fx.Node, object] = field(default_factory=dict)  # each movement node's tags
+    column_tags: list[int] = field(default_factory=list)  # the tag of element (batch 0, head 0, d 0) per column
 
     def runs(self) -> list[tuple[fx.Node, list[int]]]:
         """Consecutive columns grouped by leaf: [(leaf, [seq positions...]), ...]."""
@@ -157,9 +160,10 @@ def _candidates(shape: tuple[int, ...], head_dim: int):
 def provenance(node: fx.Node) -> tuple[Provenance | None, str]:
     """Where each column of the attention input `node` ((B, H, L, D)) comes from, or a refusal reason."""
     leaves, moves = movement_leaves(node)
-    tags = _evaluate(node, leaves, moves)
-    if tags is None:
+    values = _evaluate(node, leaves, moves)
+    if values is None:
         return None, "its data-movement chain could not be evaluated at static shapes"
+    tags = values[node]
     if tags.dim() != 4:
         return None, f"attention input has {tags.dim()} dims, expected (batch, heads, seq, head_dim)"
     Bx, Hx, Lx, Dx = tags.shape
@@ -205,7 +209,46 @@ def provenance(node: fx.Node) -> tuple[Provenance | None, str]:
                 "(expected (B, S, H, D) or (B, H, S, D) leaves, GQA as head h -> kv head h // rep)"
             )
         uses[leaf] = found
-    return Provenance(columns, uses), ""
+    return Provenance(columns, uses, leaves, moves, values, tags[0, 0, :, 0].tolist()), ""
+
+
+def _is_slice(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return (node.target is operator.getitem and is_tensor_node(node.args[0])) or node.target is torch.narrow
+    return node.op == "call_method" and node.target == "narrow"
+
+
+def windowed_columns(prov: Provenance, standins: set[fx.Node]) -> set[int] | None:
+    """Columns of an attention input whose new (non-stand-in) token went through a window slice.
+
+    A window slice is a slice of a tensor that holds both cache stand-in data and new tokens and that
+    drops some of the stand-in data: ``cat([cache, new])[:, -window:]``. The new tokens it keeps are the
+    ones the model's cache carries forward; tokens appended after it (DreamZero's action registers, even
+    when they are slices of the same roped tensor as the video keys) are not. Read from the tags each
+    movement node carries, not from which leaf a token comes from. None when the chain has no such slice.
+    """
+    standin_ids = torch.tensor([i + 1 for i, leaf in enumerate(prov.leaves) if leaf in standins], dtype=torch.int64)
+    if not len(standin_ids):
+        return None
+    kept: list[torch.Tensor] = []
+    for n in prov.moves:
+        if not _is_slice(n) or not isinstance(n.args[0], fx.Node):
+            continue
+        src, out = prov.values.get(n.args[0]), prov.values.get(n)
+        if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+            continue
+        src_cache = torch.isin(src >> _TAG_SHIFT, standin_ids)
+        if bool(src_cache.all()) or not bool(src_cache.any()):
+            continue  # not a [cache | new] tensor
+        dropped = src[~torch.isin(src, out)]
+        if not bool(torch.isin(dropped >> _TAG_SHIFT, standin_ids).any()):
+            continue  # drops no history: not an eviction
+        kept.append(out[~torch.isin(out >> _TAG_SHIFT, standin_ids)].flatten())
+    if not kept:
+        return None
+    passed = torch.cat(kept)
+    cols = torch.tensor(prov.column_tags, dtype=torch.int64)
+    return set(torch.nonzero(torch.isin(cols, passed)).flatten().tolist())
 
 
 def sdpa_args(node: fx.Node) -> dict:

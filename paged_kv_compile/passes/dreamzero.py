@@ -3,8 +3,10 @@
 Dense code: ``new_k = cat([cache[0], roped_k], 1)[:, -window:]`` (optionally with the first `sink`
 tokens kept), ``k = cat([new_k, k_action])``, non-causal attention, ``stack([new_k, new_v])``
 returned. Read structurally, its key columns are: a run of cache positions (``[0, sink)`` then
-``[sink + chunk, window)``), then every new chunk token, then every action token. The runtime's
-window/sink plan supplies exactly those history positions from the pool.
+``[sink + chunk, window)``), then every new chunk token, then every action token. Which new tokens
+are the chunk is read from the graph (those that pass the window slice with the cache), not from
+which tensor they come from: vllm-omni ropes [video | registers] in one call and slices both out of it.
+The runtime's window/sink plan supplies exactly those history positions from the pool.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ def match(site: Site) -> Match | str:
         return "keys must come from cache[0] and values from cache[1]"
     hist = site.history_positions
     window = site.standin_seq_len
-    chunk = site.new_sizes[0]
+    chunk = site.window_new_tokens
+    if chunk is None:
+        return "its keys pass no window slice (cat([cache, new])[:, -window:]) that evicts cache history"
     if len(hist) != window - chunk:
         return f"the window keeps {len(hist)} history tokens; expected window - chunk = {window - chunk}"
     sink = 0
@@ -32,6 +36,6 @@ def match(site: Site) -> Match | str:
     if hist[sink:] != list(range(sink + chunk, window)):
         return "history positions are not a sink followed by the most recent window tokens"
     expect = DreamZeroExpect(
-        window_tokens=window, sink_tokens=sink, chunk_tokens=chunk, action_tokens=sum(site.new_sizes[1:])
+        window_tokens=window, sink_tokens=sink, chunk_tokens=chunk, action_tokens=sum(site.new_sizes) - chunk
     )
     return Match("dreamzero-window", expect, visibility="full")

@@ -14,7 +14,17 @@ import torch
 import torch.fx as fx
 
 from ..families.base import Expectation
-from .common import LeafUse, Provenance, ancestors, example, find_parameter, movement_leaves, provenance, sdpa_args
+from .common import (
+    LeafUse,
+    Provenance,
+    ancestors,
+    example,
+    find_parameter,
+    movement_leaves,
+    provenance,
+    sdpa_args,
+    windowed_columns,
+)
 
 STORE_METHODS = {"copy_", "__setitem__", "index_put_", "index_copy_", "fill_", "zero_", "masked_fill_"}
 
@@ -55,6 +65,9 @@ class Site:
     standin_seq_len: int
     stores: list[fx.Node] = field(default_factory=list)
     store_seq_len: int = 0
+    #: how many of the new tokens (the leading ones) pass a window slice together with the cache, i.e. what
+    #: the model's cache keeps; None when the keys pass no window slice (see common.windowed_columns)
+    window_new_tokens: int | None = None
 
 
 def store_nodes(graph: fx.Graph, standins: set[fx.Node]) -> list[fx.Node]:
@@ -125,6 +138,31 @@ def _store_problem(store: fx.Node, new_leaves: set[fx.Node]) -> str:
     return ""
 
 
+def _read_after_write(node: fx.Node, args: dict, standins: set[fx.Node], stores: list[fx.Node]) -> str:
+    """Why keys/values read back from a stand-in that this graph wrote in place before ("" otherwise).
+
+    That is the preallocated rolling cache of CausVid / Self-Forcing (wan/modules/causal_model.py there): the new
+    tokens are written at [start:end] (after shifting the cache left to evict) and attended by reading the cache
+    back. Tag execution follows data movement, not mutation, so which positions hold new tokens is unknown.
+    """
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    read = set()
+    for name in ("key", "value"):
+        leaves, _ = movement_leaves(args[name])
+        read |= {leaf for leaf in leaves if leaf in standins}
+    for store in stores:
+        dest, _ = movement_leaves(store.args[0])
+        if order[store] < order[node] and read & set(dest):
+            return (
+                f"its keys/values are read back from a cache stand-in after an in-place write into it ({store.name}): "
+                "a preallocated rolling cache written at [start:end] (CausVid / Self-Forcing) cannot be paged as "
+                "written. Write the update as the window idiom instead: new_k = cat([cache_k, k], 1)[:, -window:] "
+                "(same for v), attend over it and return stack([new_k, new_v]); eviction and write positions are the "
+                "runtime's (docs/models.md)"
+            )
+    return ""
+
+
 def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params: set[fx.Node]) -> Site | str | None:
     """A `Site`; a refusal reason (str); or None when the site touches no cache at all.
 
@@ -139,6 +177,9 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         return None
     if args["dropout_p"] not in (0, 0.0):
         return "attention dropout is not supported by the paged op"
+    why = _read_after_write(node, args, standins, stores)
+    if why:
+        return why
     provs = {}
     for name in ("query", "key", "value"):
         prov, why = provenance(args[name])
@@ -167,6 +208,20 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         why = _store_problem(store, new_leaves)
         if why:
             return why
+    window_new: list[int | None] = []
+    for name, hist in (("key", k_hist), ("value", v_hist)):
+        cols = windowed_columns(provs[name], standins)
+        if cols is None:
+            window_new.append(None)
+            continue
+        new_cols = list(range(len(hist), len(provs[name].columns)))
+        passed = [c for c in new_cols if c in cols]
+        if passed != new_cols[: len(passed)]:
+            return (f"the {name} tokens that pass the window slice are not the leading new tokens: the cache "
+                    "would keep tokens in another order than the attention reads them")
+        window_new.append(len(passed))
+    if window_new[0] != window_new[1]:
+        return f"keys and values pass the window slice differently ({window_new[0]} vs {window_new[1]} new tokens)"
     standin_leaves = {leaf for leaf, _ in provs["key"].columns if leaf in standins}
     standin = next(iter(standin_leaves), None)
     k_kv = provs["key"].uses[standin].kv_index if standin is not None else None
@@ -192,4 +247,5 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         standin_seq_len=seq_len,
         stores=my_stores,
         store_seq_len=store_len,
+        window_new_tokens=window_new[0],
     )
