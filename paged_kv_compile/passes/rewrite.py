@@ -110,7 +110,11 @@ def rewrite(
         reports = [SiteReport(n.name, "-", None, "dense", "no cache stand-in among the inputs") for n in sdpa_nodes]
         return PassResult(gm, reports)
 
-    symbolic = [n.name for n, v in values.items() if isinstance(v, torch.SymInt)]
+    # A symbolic int input whose only role is a value (vllm-omni DreamZero's `current_start_frame`, marked
+    # dynamic through torch.compiler.config.dynamic_sources so that one graph serves every start frame) is
+    # fine; a tensor whose shape is symbolic is not: paged sites are compiled per fixed-shape bucket.
+    symbolic = [n.name for n in placeholders
+                if isinstance(example(n), torch.Tensor) and any(not isinstance(d, int) for d in example(n).shape)]
     if symbolic:
         raise PassError(
             f"this graph has dynamic shapes ({', '.join(symbolic)}) and reads KV-cache stand-ins: paged sites are "
