@@ -1,0 +1,99 @@
+"""Transcription of the CausVid / Self-Forcing rolling KV cache (self-attention with a preallocated cache).
+
+Source: github.com/guandeh17/Self-Forcing, wan/modules/causal_model.py, commit
+33593df3e81fa3ec10239271dd2c100facac6de1, `CausalWanSelfAttention.forward` (the `kv_cache is not None` branch)
+and `pipeline/causal_inference.py` (how the cache is created and driven). Kept: the preallocated
+(B, C, H, D) cache dict with `global_end_index` / `local_end_index` tensors, the in-place write of the new
+keys/values at `[local_start:local_end]`, the rolling eviction that shifts the cache left in place (keeping
+`sink` tokens), attention over the keys read back from the cache, indices from `.item()`. Left out: RoPE
+tables (a fixed random rotation stands in), cross-attention, FFN, the flex-attention training branch.
+
+`RollingSelfAttention` is the code as written. `WindowSelfAttention` is what a user changes it to so that it
+pages: the same math written as DreamZero's window idiom (concatenate, slice the last `C` tokens, return the
+new cache), the write position and eviction left to the runtime. See docs/models.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RollingSelfAttention(nn.Module):
+    """Self-Forcing's causal self-attention with the rolling in-place cache, as written (indices via .item())."""
+
+    def __init__(self, dim: int = 32, num_heads: int = 2, local_attn_size: int = 3, frame_seqlen: int = 8,
+                 sink_size: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.local_attn_size, self.sink_size, self.frame_seqlen = local_attn_size, sink_size, frame_seqlen
+        self.max_attention_size = local_attn_size * frame_seqlen
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def new_cache(self, batch: int = 1) -> dict:
+        """`_initialize_kv_cache` of pipeline/causal_inference.py: zeros of the window's size, indices 0."""
+        size = self.local_attn_size * self.frame_seqlen
+        shape = (batch, size, self.num_heads, self.head_dim)
+        return {"k": torch.zeros(shape), "v": torch.zeros(shape),
+                "global_end_index": torch.tensor([0], dtype=torch.long),
+                "local_end_index": torch.tensor([0], dtype=torch.long)}
+
+    def qkv(self, x: torch.Tensor):
+        b, s, _ = x.shape
+        n, d = self.num_heads, self.head_dim
+        q, k, v = self.q(x).view(b, s, n, d), self.k(x).view(b, s, n, d), self.v(x).view(b, s, n, d)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, kv_cache: dict, current_start: int) -> torch.Tensor:
+        q, k, v = self.qkv(x)
+        roped_query, roped_key = q, k  # RoPE left out (a per-position rotation does not change the cache idiom)
+        frame_seqlen = self.frame_seqlen
+        current_end = current_start + roped_query.shape[1]
+        sink_tokens = self.sink_size * frame_seqlen
+        kv_cache_size = kv_cache["k"].shape[1]
+        num_new_tokens = roped_query.shape[1]
+        if self.local_attn_size != -1 and (current_end > kv_cache["global_end_index"].item()) and (
+                num_new_tokens + kv_cache["local_end_index"].item() > kv_cache_size):
+            num_evicted_tokens = num_new_tokens + kv_cache["local_end_index"].item() - kv_cache_size
+            num_rolled_tokens = kv_cache["local_end_index"].item() - num_evicted_tokens - sink_tokens
+            kv_cache["k"][:, sink_tokens:sink_tokens + num_rolled_tokens] = \
+                kv_cache["k"][:, sink_tokens + num_evicted_tokens:sink_tokens + num_evicted_tokens + num_rolled_tokens].clone()
+            kv_cache["v"][:, sink_tokens:sink_tokens + num_rolled_tokens] = \
+                kv_cache["v"][:, sink_tokens + num_evicted_tokens:sink_tokens + num_evicted_tokens + num_rolled_tokens].clone()
+            local_end_index = kv_cache["local_end_index"].item() + current_end - \
+                kv_cache["global_end_index"].item() - num_evicted_tokens
+            local_start_index = local_end_index - num_new_tokens
+            kv_cache["k"][:, local_start_index:local_end_index] = roped_key
+            kv_cache["v"][:, local_start_index:local_end_index] = v
+        else:
+            local_end_index = kv_cache["local_end_index"].item() + current_end - kv_cache["global_end_index"].item()
+            local_start_index = local_end_index - num_new_tokens
+            kv_cache["k"][:, local_start_index:local_end_index] = roped_key
+            kv_cache["v"][:, local_start_index:local_end_index] = v
+        lo = max(0, local_end_index - self.max_attention_size)
+        x = F.scaled_dot_product_attention(
+            roped_query.transpose(1, 2), kv_cache["k"][:, lo:local_end_index].transpose(1, 2),
+            kv_cache["v"][:, lo:local_end_index].transpose(1, 2)).transpose(1, 2)
+        kv_cache["global_end_index"].fill_(current_end)
+        kv_cache["local_end_index"].fill_(local_end_index)
+        return self.o(x.flatten(2))
+
+
+class WindowSelfAttention(RollingSelfAttention):
+    """The user's change: the same attention as DreamZero's window idiom (pages with 0 further edits).
+
+    The cache is a (2, B, C, H, D) tensor passed in and returned; the forward appends the new keys/values,
+    keeps the last C tokens (`cat(...)[:, -C:]`) and attends over them. Every index is gone from the block:
+    where tokens are written and what is evicted is the paged runtime's window (or, densely, the caller's
+    bookkeeping of the returned cache). Sinks: not transcribed (Self-Forcing's default `sink_size=0`).
+    """
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, current_start: int = 0):  # type: ignore[override]
+        q, k, v = self.qkv(x)
+        C = self.max_attention_size
+        new_k = torch.cat([kv_cache[0], k], dim=1)[:, -C:]
+        new_v = torch.cat([kv_cache[1], v], dim=1)[:, -C:]
+        x = F.scaled_dot_product_attention(q.transpose(1, 2), new_k.transpose(1, 2), new_v.transpose(1, 2))
+        return self.o(x.transpose(1, 2).flatten(2)), torch.stack([new_k, new_v])
