@@ -185,8 +185,10 @@ class PagedKVRuntime:
         """`forward(plan)` for a forward of `kind` that the owner's family plans (info: e.g. prefix_capacity)."""
         return self.forward(self.scheduler.plan(owner_id, kind, **info))
 
-    def dreamzero_forward(self, session_id: str, *, commit: bool) -> contextlib.AbstractContextManager:
-        return self.forward(self.scheduler.plan_dreamzero(session_id, commit=commit))
+    def dreamzero_forward(self, session_id: str, *, commit: bool,
+                          branch: int | None = None) -> contextlib.AbstractContextManager:
+        """A commit or denoising forward of the session; `branch`: one CFG row alone, as a batch-1 forward."""
+        return self.forward(self.scheduler.plan_dreamzero(session_id, commit=commit, branch=branch))
 
     def hunyuan_forward(self, request_id: str, *, phase: str, prefix_capacity: int) -> contextlib.AbstractContextManager:
         return self.forward(self.scheduler.plan_hunyuan(request_id, phase=phase, prefix_capacity=prefix_capacity))
@@ -214,7 +216,7 @@ class PagedKVRuntime:
                 f"a {expect.family} attention site ran inside a {owner.family} forward ({plan.owner_id!r}); "
                 "plan the forward with the matching family helper"
             )
-        families.get(owner.family).check_expectation(expect, owner)
+        families.get(owner.family).check_expectation(expect, owner, plan)
 
     def check_dense_mask(self, mask: torch.Tensor) -> None:
         """Debug: the model's dense mask must allow exactly what the runtime's layout makes visible.

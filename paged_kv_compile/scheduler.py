@@ -226,8 +226,8 @@ class Scheduler:
     def close_session(self, session_id: str) -> None:
         self.release(session_id, "closed", family="dreamzero")
 
-    def plan_dreamzero(self, session_id: str, *, commit: bool) -> ForwardPlan:
-        return self.plan(session_id, "commit" if commit else "denoise", family="dreamzero")
+    def plan_dreamzero(self, session_id: str, *, commit: bool, branch: int | None = None) -> ForwardPlan:
+        return self.plan(session_id, "commit" if commit else "denoise", family="dreamzero", branch=branch)
 
     def admit_request(self, request_id: str, spec: HunyuanSpec) -> None:
         self.admit(request_id, spec, family="hunyuan_image3")

@@ -68,7 +68,7 @@ class DecodeFamily:
         if plan.kind == "decode":
             owner.version += 1
 
-    def check_expectation(self, expect, owner: Owner) -> None:
+    def check_expectation(self, expect, owner: Owner, plan) -> None:
         if expect.context != owner.spec.prompt_len + owner.spec.max_new:
             raise RequestError("toy_decode: wrong context")
 

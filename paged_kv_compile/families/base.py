@@ -70,6 +70,7 @@ class ForwardPlan:
     new_blocks: list[list[int]] = field(default_factory=list)
     key: tuple = ()
     keeps_kv: bool = False  # its K/V is kept (a commit, a prefill): every layer must run, or it is rolled back
+    phase: dict = field(default_factory=dict)  # the family's per-forward geometry (DreamZero: chunk/action tokens)
 
 
 class BlockSource(Protocol):
@@ -129,8 +130,8 @@ class Family(Protocol):
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
         """The forward ran: update the owner's rows (e.g. a commit becomes history)."""
 
-    def check_expectation(self, expect: Expectation, owner: Owner) -> None:
-        """Raise RequestError when a compiled site's expectation disagrees with the owner's spec."""
+    def check_expectation(self, expect: Expectation, owner: Owner, plan: ForwardPlan) -> None:
+        """Raise RequestError when a compiled site's expectation disagrees with the owner's spec or the plan."""
 
     # ---- the model side (driver, warm-up) ----
     def owns_model(self, model: torch.nn.Module) -> bool: ...

@@ -27,13 +27,54 @@ KINDS = ("commit", "denoise")
 
 @dataclass(frozen=True)
 class DreamZeroSpec:
-    """Token geometry of a DreamZero session (all counts in tokens are derived from frames)."""
+    """Token geometry of a DreamZero session (all counts in tokens are derived from frames).
+
+    Per phase a forward computes `windowed` tokens that pass the window with the cache (the frames it
+    commits or denoises) followed by `registers` tokens that never become history (action/state):
+      denoise:      chunk_frames,                          action_tokens
+      commit:       chunk_frames,                          commit_action_tokens (None: action_tokens)
+      first commit: first_commit_frames (None: chunk_frames), commit registers; the commit of an empty window.
+    Our reference model commits with registers and whole chunks; vllm-omni's pipeline commits without them and
+    starts every window with a 1-frame commit (`from_vllm_omni`).
+    """
 
     frame_seqlen: int
     chunk_frames: int
     window_frames: int
     sink_frames: int = 0
     action_tokens: int = 0
+    first_commit_frames: int | None = None
+    commit_action_tokens: int | None = None
+
+    def phase(self, kind: str, *, first: bool = False) -> tuple[int, int]:
+        """(windowed tokens, register tokens) of a forward of `kind` ("commit"/"denoise")."""
+        if kind == "denoise":
+            return self.chunk_tokens, self.action_tokens
+        registers = self.action_tokens if self.commit_action_tokens is None else self.commit_action_tokens
+        frames = self.first_commit_frames if first and self.first_commit_frames is not None else self.chunk_frames
+        return frames * self.frame_seqlen, registers
+
+    def phases(self) -> list[tuple[int, int]]:
+        """Every distinct (windowed, registers) a session runs: one shape bucket each."""
+        out = [self.phase("commit", first=True), self.phase("commit"), self.phase("denoise")]
+        return list(dict.fromkeys(out))
+
+    def buckets(self, rows: int = 1) -> tuple[Bucket, ...]:
+        """The shape buckets of a session whose forwards carry `rows` rows (1: CFG branches run separately)."""
+        return tuple(Bucket(rows, n + a, self.window_tokens) for n, a in self.phases())
+
+    @classmethod
+    def from_vllm_omni(cls, model) -> "DreamZeroSpec":
+        """From vllm-omni's `CausalWanModel` (duck-typed: no vllm import), as its pipeline drives it."""
+        attn = model.blocks[0].self_attn
+        return cls(
+            frame_seqlen=model.frame_seqlen,
+            chunk_frames=model.num_frame_per_block,
+            window_frames=attn.max_attention_size // model.frame_seqlen,
+            action_tokens=attn.num_action_per_block + attn.num_state_per_block,
+            first_commit_frames=1,
+            commit_action_tokens=0,
+        )
 
     @property
     def chunk_tokens(self) -> int:
@@ -49,7 +90,8 @@ class DreamZeroSpec:
 
     @property
     def tokens_per_forward(self) -> int:
-        return self.chunk_tokens + self.action_tokens
+        """The most tokens one forward computes (scratch is sized for it)."""
+        return max(n + a for n, a in self.phases())
 
     @classmethod
     def from_model_config(cls, cfg) -> "DreamZeroSpec":
@@ -100,9 +142,10 @@ def _kept_blocks(spec: DreamZeroSpec, block_size: int) -> tuple[int, int]:
     return spec.sink_tokens // block_size, (spec.window_tokens - spec.sink_tokens - spec.chunk_tokens) // block_size
 
 
-def _visible_history(spec: DreamZeroSpec, row: list[int], block_size: int) -> list[int]:
-    sink, keep = _kept_blocks(spec, block_size)
-    sink = min(len(row), sink)
+def _visible_history(spec: DreamZeroSpec, row: list[int], block_size: int, windowed: int) -> list[int]:
+    """What a forward adding `windowed` tokens to the window sees: the sink, then the most recent rest."""
+    sink = min(len(row), spec.sink_tokens // block_size)
+    keep = (spec.window_tokens - spec.sink_tokens - windowed) // block_size
     rest = row[sink:]
     return row[:sink] + (rest[-keep:] if keep > 0 else [])
 
@@ -140,32 +183,48 @@ class DreamZeroFamily:
         blocks.check_scratch(ceil_div(spec.tokens_per_forward, B))
         return [0] * rows  # history blocks are taken by commits
 
-    def plan(self, owner: Owner, blocks: BlockSource, kind: str, **info: Any) -> ForwardPlan:
-        """A commit (its K/V becomes history) or a denoising forward (scratch) of the session's chunk."""
+    def plan(self, owner: Owner, blocks: BlockSource, kind: str, *, branch: int | None = None,
+             **info: Any) -> ForwardPlan:
+        """A commit (its K/V becomes history) or a denoising forward (scratch) of the session's chunk.
+
+        branch: run only that row (CFG branch) as a batch-1 forward over its own cache; None: all rows.
+        The phase's token counts come from the spec: a commit into an empty window is the first commit.
+        Other `info` (the rollout's start_frame, step, ...) does not change the layout.
+        """
         if kind not in KINDS:
             raise RequestError(f"unknown DreamZero forward kind {kind!r}; use 'commit' or 'denoise'")
+        if branch is not None and not 0 <= branch < owner.num_rows:
+            raise RequestError(
+                f"branch {branch} does not exist: session {owner.owner_id!r} has {owner.num_rows} rows")
         spec: DreamZeroSpec = owner.spec
-        B, n, a = blocks.block_size, spec.chunk_tokens, spec.action_tokens
         commit = kind == "commit"
-        new_blocks = blocks.allocate_rows([n // B] * owner.num_rows) if commit else []
+        run = list(range(owner.num_rows)) if branch is None else [branch]
+        n, a = spec.phase(kind, first=commit and all(not owner.rows[r] for r in run))
+        B = blocks.block_size
+        taken = blocks.allocate_rows([n // B] * len(run)) if commit else []
+        new_blocks: list[list[int]] = [[] for _ in owner.rows] if commit else []
+        for r, ids in zip(run, taken):
+            new_blocks[r] = ids
         try:
-            layouts = [self._row(spec, blocks, r, row, new_blocks[r] if commit else [])
-                       for r, row in enumerate(owner.rows)]
+            layouts = [self._row(spec, blocks, i, owner.rows[r], new_blocks[r] if commit else [], n, a)
+                       for i, r in enumerate(run)]
         except BaseException:
-            for taken in new_blocks:
-                blocks.free(taken)
+            for ids in taken:
+                blocks.free(ids)
             raise
-        key = (owner.owner_id, kind, owner.version) if not commit else ()
-        return ForwardPlan(owner.owner_id, kind, layouts, n + a, spec.window_tokens, new_blocks, key, keeps_kv=commit)
+        key = (owner.owner_id, kind, owner.version, branch) if not commit else ()
+        return ForwardPlan(owner.owner_id, kind, layouts, n + a, spec.window_tokens, new_blocks, key, keeps_kv=commit,
+                           phase={"chunk_tokens": n, "action_tokens": a})
 
     @staticmethod
-    def _row(spec: DreamZeroSpec, blocks: BlockSource, r: int, row: list[int], new: list[int]) -> RowLayout:
-        """[visible history | chunk (new managed blocks, or scratch) | action tokens (scratch)]."""
-        B, n, a = blocks.block_size, spec.chunk_tokens, spec.action_tokens
-        visible = _visible_history(spec, row, B)
+    def _row(spec: DreamZeroSpec, blocks: BlockSource, i: int, row: list[int], new: list[int], n: int,
+             a: int) -> RowLayout:
+        """[visible history | chunk (new managed blocks, or scratch) | registers (scratch)]; i: the forward's row."""
+        B = blocks.block_size
+        visible = _visible_history(spec, row, B, n)
         h = len(visible) * B
         managed = visible + new
-        scratch = blocks.scratch(r, len(managed), (h + n + a - 1) // B)
+        scratch = blocks.scratch(i, len(managed), (h + n + a - 1) // B)
         positions = torch.arange(h, h + n + a, dtype=torch.int64)
         ends = torch.full((n + a,), h + n + a, dtype=torch.int64)
         return RowLayout.build(managed, scratch, positions, ends, h + n + a)
@@ -187,16 +246,16 @@ class DreamZeroFamily:
             owner.rows[r] = sink + kept
         owner.version += 1
 
-    def check_expectation(self, expect: DreamZeroExpect, owner: Owner) -> None:
+    def check_expectation(self, expect: DreamZeroExpect, owner: Owner, plan: ForwardPlan) -> None:
         spec: DreamZeroSpec = owner.spec
-        have = {"window_tokens": spec.window_tokens, "sink_tokens": spec.sink_tokens,
-                "chunk_tokens": spec.chunk_tokens, "action_tokens": spec.action_tokens}
+        have = {"window_tokens": spec.window_tokens, "sink_tokens": spec.sink_tokens, **plan.phase}
         diff = {k: (getattr(expect, k), v) for k, v in have.items() if getattr(expect, k) != v}
         if diff:
             raise RequestError(
                 f"the compiled DreamZero site and session {owner.owner_id!r} disagree on "
                 + ", ".join(f"{k} (graph {g}, session {s})" for k, (g, s) in diff.items())
-                + ": open the session with DreamZeroSpec.from_model_config(model.config)"
+                + f" ({plan.kind} forward): open the session with DreamZeroSpec.from_model_config(model.config) "
+                "(our reference model) or DreamZeroSpec.from_vllm_omni(model) (vllm-omni's CausalWanModel)"
             )
 
     # ---- the model side -----------------------------------------------------------------------

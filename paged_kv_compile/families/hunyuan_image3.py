@@ -165,7 +165,7 @@ class HunyuanImage3Family:
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
         """Nothing moves: the prefix was written in place (the scheduler records the prefill as done)."""
 
-    def check_expectation(self, expect: HunyuanExpect, owner: Owner) -> None:
+    def check_expectation(self, expect: HunyuanExpect, owner: Owner, plan: ForwardPlan) -> None:
         """The prefix capacity is the bucket's context, which the runtime already checks per call."""
 
     # ---- the model side -----------------------------------------------------------------------
