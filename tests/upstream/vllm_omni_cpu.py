@@ -246,3 +246,29 @@ def tiny_hunyuan_layer(config=None, *, seed: int = 0, layer_idx: int = 0):
         for name, p in layer.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("layernorm.weight") else torch.randn_like(p) * 0.2)
     return layer.eval()
+
+
+def tiny_dreamzero_model(
+    *, num_layers: int = 2, dim: int = 32, num_heads: int = 2, frame_hw: tuple[int, int] = (4, 8),
+    num_frame_per_block: int = 2, max_chunk_size: int = 2, num_action_per_block: int = 3, num_state_per_block: int = 1,
+    text_len: int = 6, seed: int = 0,
+):
+    """vllm-omni's whole `CausalWanModel` (t2v) at a tiny size with random weights; inside `model_context()`.
+
+    Latent frames are `frame_hw` (patch 1x2x2), so `frame_seqlen = h * w / 4`. `max_chunk_size=-1` gives the
+    unbounded variant (a 21-frame window that slides, no window resets).
+    """
+    from vllm_omni.diffusion.models.dreamzero.causal_wan_model import CausalWanModel
+
+    torch.manual_seed(seed)
+    h, w = frame_hw
+    model = CausalWanModel(
+        model_type="t2v", patch_size=(1, 2, 2), frame_seqlen=h * w // 4, text_len=text_len, in_dim=4, dim=dim,
+        ffn_dim=2 * dim, freq_dim=16, text_dim=8, out_dim=4, num_heads=num_heads, num_layers=num_layers,
+        max_chunk_size=max_chunk_size, num_frame_per_block=num_frame_per_block, action_dim=4, max_state_dim=6,
+        hidden_size=16, num_action_per_block=num_action_per_block, num_state_per_block=num_state_per_block,
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.1))
+    return model.eval()
