@@ -13,7 +13,7 @@ from paged_kv_compile import PagedKVConfig, RequestError
 from paged_kv_compile.config import Bucket
 from paged_kv_compile.models.dreamzero import DreamZeroConfig
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
+from paged_kv_compile.families.dreamzero import DreamZeroSpec
 
 FS = 8
 OMNI = DreamZeroSpec(frame_seqlen=FS, chunk_frames=2, window_frames=5, action_tokens=4, first_commit_frames=1,

@@ -15,7 +15,7 @@ import torch
 from helpers import CountingBackend
 
 from paged_kv_compile.config import PagedKVConfig
-from paged_kv_compile.scheduler import DreamZeroSpec
+from paged_kv_compile.families.dreamzero import DreamZeroSpec
 from paged_kv_compile.runtime import PagedKVRuntime
 
 from .dreamzero_pipeline import DenseKV, PagedKV, run_session
@@ -70,7 +70,7 @@ def test_dreamzero_pages_with_parity_one_frame_per_bucket(omni, omni_ctx):
     # one compiled frame each, for both layers, both CFG branches and every start frame
     assert backend.frames == 3
     fs, chunk, regs = spec.frame_seqlen, spec.chunk_tokens, spec.action_tokens
-    got = sorted((r.expect["chunk_tokens"], r.expect["action_tokens"]) for r in backend.results)
+    got = sorted((r.expect.chunk_tokens, r.expect.action_tokens) for r in backend.results)
     assert got == sorted([(fs, 0), (chunk, 0), (chunk, regs)])
     assert all(rep.status in ("rewritten", "dense") for r in backend.results for rep in r.reports)
     assert all([rep.status for rep in r.reports].count("rewritten") == 1 for r in backend.results)

@@ -15,7 +15,7 @@ from helpers import CountingBackend, raises_paged
 from paged_kv_compile import PassError
 from paged_kv_compile.config import PagedKVConfig
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
+from paged_kv_compile.families.dreamzero import DreamZeroSpec
 
 from .self_forcing import RollingSelfAttention, WindowSelfAttention
 
