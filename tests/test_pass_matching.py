@@ -169,7 +169,7 @@ def _run_hunyuan(monkeypatch, forward, options):
 
 
 def test_dreamzero_rope_over_registers_then_slice_is_rewritten(monkeypatch):
-    """Which new keys are the chunk comes from the window slice in the graph, not from separate leaves."""
+    """Which new keys are the chunk comes from the cache concatenation in the graph, not from separate leaves."""
     dense, paged, backend = _run_dreamzero(monkeypatch, dreamzero_rope_all_then_slice, {"inner_compiler": "aot_eager"})
     assert (dense["video"] - paged["video"]).abs().max().item() <= ATOL
     assert (dense["actions"] - paged["actions"]).abs().max().item() <= ATOL

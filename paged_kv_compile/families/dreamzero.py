@@ -254,8 +254,8 @@ class DreamZeroFamily:
             raise RequestError(
                 f"the compiled DreamZero site and session {owner.owner_id!r} disagree on "
                 + ", ".join(f"{k} (graph {g}, session {s})" for k, (g, s) in diff.items())
-                + f" ({plan.kind} forward): open the session with DreamZeroSpec.from_model_config(model.config) "
-                "(our reference model) or DreamZeroSpec.from_vllm_omni(model) (vllm-omni's CausalWanModel)"
+                + ": open the session with DreamZeroSpec.from_model_config(model.config) (our reference model) or "
+                f"DreamZeroSpec.from_vllm_omni(model) (vllm-omni's CausalWanModel); this was a {plan.kind} forward"
             )
 
     # ---- the model side -----------------------------------------------------------------------

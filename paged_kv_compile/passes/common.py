@@ -212,43 +212,42 @@ def provenance(node: fx.Node) -> tuple[Provenance | None, str]:
     return Provenance(columns, uses, leaves, moves, values, tags[0, 0, :, 0].tolist()), ""
 
 
-def _is_slice(node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return (node.target is operator.getitem and is_tensor_node(node.args[0])) or node.target is torch.narrow
-    return node.op == "call_method" and node.target == "narrow"
+_CAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate}
 
 
 def windowed_columns(prov: Provenance, standins: set[fx.Node]) -> set[int] | None:
-    """Columns of an attention input whose new (non-stand-in) token went through a window slice.
+    """Columns of an attention input whose new (non-stand-in) token joins the cache history: the window's tokens.
 
-    A window slice is a slice of a tensor that holds both cache stand-in data and new tokens and that
-    drops some of the stand-in data: ``cat([cache, new])[:, -window:]``. The new tokens it keeps are the
-    ones the model's cache carries forward; tokens appended after it (DreamZero's action registers, even
-    when they are slices of the same roped tensor as the video keys) are not. Read from the tags each
-    movement node carries, not from which leaf a token comes from. None when the chain has no such slice.
+    The cache concatenation is a concatenation whose inputs are cache history (stand-in data only) and new
+    tokens (no stand-in data), none of them both: ``cat([cache, new])`` before a window slice
+    (``[:, -window:]``), or ``cat([cache[:, :sink], cache[:, sink + chunk:], new])``. The new tokens it joins
+    are what the model's cache carries forward; tokens appended later to the joined tensor (DreamZero's
+    action registers, even when they are slices of the same roped tensor as the video keys) are not. Read
+    from the tags each movement node carries, not from which leaf a token comes from. None when the chain
+    has no cache concatenation.
     """
     standin_ids = torch.tensor([i + 1 for i, leaf in enumerate(prov.leaves) if leaf in standins], dtype=torch.int64)
     if not len(standin_ids):
         return None
-    kept: list[torch.Tensor] = []
+    joined: list[torch.Tensor] = []
     for n in prov.moves:
-        if not _is_slice(n) or not isinstance(n.args[0], fx.Node):
+        if n.op != "call_function" or n.target not in _CAT_FUNCTIONS or not isinstance(n.args[0], (list, tuple)):
             continue
-        src, out = prov.values.get(n.args[0]), prov.values.get(n)
-        if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
-            continue
-        src_cache = torch.isin(src >> _TAG_SHIFT, standin_ids)
-        if bool(src_cache.all()) or not bool(src_cache.any()):
-            continue  # not a [cache | new] tensor
-        dropped = src[~torch.isin(src, out)]
-        if not bool(torch.isin(dropped >> _TAG_SHIFT, standin_ids).any()):
-            continue  # drops no history: not an eviction
-        kept.append(out[~torch.isin(out >> _TAG_SHIFT, standin_ids)].flatten())
-    if not kept:
+        kinds = set()
+        for part in n.args[0]:
+            tags = prov.values.get(part) if isinstance(part, fx.Node) else None
+            if not isinstance(tags, torch.Tensor) or not tags.numel():
+                continue
+            cache = torch.isin(tags >> _TAG_SHIFT, standin_ids)
+            kinds.add("mixed" if bool(cache.any()) and not bool(cache.all()) else "cache" if bool(cache.all()) else "new")
+        if kinds != {"cache", "new"}:
+            continue  # not where history and new tokens first meet
+        out = prov.values[n]
+        joined.append(out[~torch.isin(out >> _TAG_SHIFT, standin_ids)].flatten())
+    if not joined:
         return None
-    passed = torch.cat(kept)
     cols = torch.tensor(prov.column_tags, dtype=torch.int64)
-    return set(torch.nonzero(torch.isin(cols, passed)).flatten().tolist())
+    return set(torch.nonzero(torch.isin(cols, torch.cat(joined))).flatten().tolist())
 
 
 def sdpa_args(node: fx.Node) -> dict:

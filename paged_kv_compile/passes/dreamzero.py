@@ -4,7 +4,7 @@ Dense code: ``new_k = cat([cache[0], roped_k], 1)[:, -window:]`` (optionally wit
 tokens kept), ``k = cat([new_k, k_action])``, non-causal attention, ``stack([new_k, new_v])``
 returned. Read structurally, its key columns are: a run of cache positions (``[0, sink)`` then
 ``[sink + chunk, window)``), then every new chunk token, then every action token. Which new tokens
-are the chunk is read from the graph (those that pass the window slice with the cache), not from
+are the chunk is read from the graph (those concatenated with the cache history), not from
 which tensor they come from: vllm-omni ropes [video | registers] in one call and slices both out of it.
 The runtime's window/sink plan supplies exactly those history positions from the pool.
 """
@@ -27,7 +27,7 @@ def match(site: Site) -> Match | str:
     window = site.standin_seq_len
     chunk = site.window_new_tokens
     if chunk is None:
-        return "its keys pass no window slice (cat([cache, new])[:, -window:]) that evicts cache history"
+        return "its keys never join cache history with new keys in one concatenation (cat([cache, new])[:, -window:])"
     if len(hist) != window - chunk:
         return f"the window keeps {len(hist)} history tokens; expected window - chunk = {window - chunk}"
     sink = 0

@@ -65,8 +65,8 @@ class Site:
     standin_seq_len: int
     stores: list[fx.Node] = field(default_factory=list)
     store_seq_len: int = 0
-    #: how many of the new tokens (the leading ones) pass a window slice together with the cache, i.e. what
-    #: the model's cache keeps; None when the keys pass no window slice (see common.windowed_columns)
+    #: how many of the new tokens (the leading ones) join the cache history in a cache concatenation, i.e. what
+    #: the model's cache keeps; None when the keys have no cache concatenation (see common.windowed_columns)
     window_new_tokens: int | None = None
 
 
@@ -217,11 +217,11 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         new_cols = list(range(len(hist), len(provs[name].columns)))
         passed = [c for c in new_cols if c in cols]
         if passed != new_cols[: len(passed)]:
-            return (f"the {name} tokens that pass the window slice are not the leading new tokens: the cache "
+            return (f"the {name} tokens that join the cache history are not the leading new tokens: the cache "
                     "would keep tokens in another order than the attention reads them")
         window_new.append(len(passed))
     if window_new[0] != window_new[1]:
-        return f"keys and values pass the window slice differently ({window_new[0]} vs {window_new[1]} new tokens)"
+        return f"keys and values join the cache history differently ({window_new[0]} vs {window_new[1]} new tokens)"
     standin_leaves = {leaf for leaf, _ in provs["key"].columns if leaf in standins}
     standin = next(iter(standin_leaves), None)
     k_kv = provs["key"].uses[standin].kv_index if standin is not None else None
