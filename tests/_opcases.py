@@ -44,6 +44,18 @@ def _layout_view(shape: tuple[int, ...], layout: str, dtype, gen) -> torch.Tenso
     return torch.randn(shape, generator=gen, dtype=dtype)
 
 
+def strided_view(t: torch.Tensor, filler: int, transposed: bool = False) -> torch.Tensor:
+    """Equal values in a non-contiguous view: every other element of the last dim of a wider tensor,
+    whose gaps hold `filler` (a kernel that assumes unit strides reads the filler); for a 2-D tensor
+    `transposed` also swaps the row/column strides (column-major storage)."""
+    if transposed and t.dim() == 2:
+        return strided_view(t.t().contiguous(), filler).t()
+    wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), filler, dtype=t.dtype)
+    view = wide[..., ::2]
+    view.copy_(t)
+    return view
+
+
 def make_case(
     *,
     seed: int,
@@ -60,12 +72,15 @@ def make_case(
     pad_random: bool = True,
     layout: str = "contiguous",
     dtype: torch.dtype = torch.float32,
+    meta_layout: str = "contiguous",
 ) -> Case:
     """One geometry. Row r has prefixes[r] history tokens and new_counts[r] new ones (<= tokens).
 
     modes[r]: "full" (valid queries see the whole row), "causal" (query of position p sees [0, p+1)),
     "random" (any end in [0, seq_len]) or "padded" (a padded row: seq_len 0, no tokens).
     right_aligned puts the valid tokens last (padding first), as bottom-right causal kernels assume.
+    meta_layout "strided" passes the four metadata tensors as non-contiguous views (see strided_view),
+    "transposed" also stores the 2-D ones column-major.
     """
     gen = torch.Generator().manual_seed(seed)
     R, T, B, D, Hq = len(prefixes), tokens, block_size, head_dim, hkv * ratio
@@ -113,7 +128,17 @@ def make_case(
                 ends[r, t] = int(torch.randint(0, seq[r] + 1, (), generator=gen))
     query = _layout_view((R, T, Hq, D), layout, dtype, gen)
     scale = float(torch.empty(()).uniform_(0.1, 1.0, generator=gen))
-    return Case(query, key, value, pool, slots, table, torch.tensor(seq, dtype=torch.int32), ends, scale, k_log, v_log)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    if meta_layout != "contiguous":
+        # Fillers a stride-blind kernel would read: a spare block of garbage, "do not write", a length of 0
+        # and an end that sees everything -- each changes the result or the pool.
+        col_major = meta_layout == "transposed"
+        other = int(perm[0])  # perm still holds the two spare blocks
+        slots = strided_view(slots, -1, col_major)
+        table = strided_view(table, other, col_major)
+        seq_lens = strided_view(seq_lens, 0)
+        ends = strided_view(ends, M * B, col_major)
+    return Case(query, key, value, pool, slots, table, seq_lens, ends, scale, k_log, v_log)
 
 
 def dense_oracle(case: Case) -> torch.Tensor:

@@ -62,13 +62,24 @@ def _fa_mask(T, causal):
     return lambda r, L: torch.ones(T, L, dtype=torch.bool)
 
 
+def _check_flash_inputs(page_multiple, k_cache, table, seq_lens):
+    """The checks flash-attn's flash_api.cpp makes: a paged cache's page size (FA2 % 256, vLLM's build % 16,
+    FA3 any), a unit last stride of the block table, contiguous lengths."""
+    assert k_cache.shape[1] % page_multiple == 0, f"paged KV needs page_block_size % {page_multiple} == 0"
+    assert table.stride(-1) == 1, "block_table must have contiguous last dimension"
+    assert seq_lens.is_contiguous(), "seqlens_k must be contiguous"
+
+
 def _fake_kvcache_module(name, table_kw, calls):
+    page_multiple = 256 if name == "flash_attn" else 1
+
     def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None,
                                 causal=False, **kw):
         table = kw.pop(table_kw)
         assert not kw and k is None and v is None, "the adapter writes K/V itself and passes nothing else"
         assert table.dtype == cache_seqlens.dtype == torch.int32 and q.is_contiguous()
-        calls.append(dict(k_cache=k_cache, v_cache=v_cache, causal=causal))
+        _check_flash_inputs(page_multiple, k_cache, table, cache_seqlens)
+        calls.append(dict(k_cache=k_cache, v_cache=v_cache, causal=causal, build=name))
         mask = _fa_mask(q.shape[1], causal)
         return _paged_attention(q, k_cache, v_cache, table, cache_seqlens, softmax_scale, mask, 0.0)
 
@@ -77,48 +88,62 @@ def _fake_kvcache_module(name, table_kw, calls):
     return module
 
 
-def _fake_vllm_module(calls):
+def _fake_vllm_module(calls, fa3: bool = False):
+    """vLLM's wrapper: fa_version defaults to 2 (DEFAULT_FA_VERSION), FA3 only where the build has it."""
+
+    def is_fa_version_supported(fa_version: int) -> bool:
+        return fa_version == 2 or (fa3 and fa_version == 3)
+
     def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None, block_table=None,
-                               softmax_scale=None, causal=False, **kw):
+                               softmax_scale=None, causal=False, fa_version=2, **kw):
         assert not kw and q.dim() == 3 and block_table.dtype == seqused_k.dtype == torch.int32
+        assert is_fa_version_supported(fa_version), f"FA{fa_version} is unavailable in this build"
+        _check_flash_inputs(16, k, block_table, seqused_k)
         T = max_seqlen_q
         R = cu_seqlens_q.numel() - 1
         assert torch.equal(cu_seqlens_q, torch.arange(0, (R + 1) * T, T, dtype=torch.int32))
         assert max_seqlen_k == block_table.shape[1] * k.shape[1]
-        calls.append(dict(k_cache=k, v_cache=v, causal=causal))
+        calls.append(dict(k_cache=k, v_cache=v, causal=causal, build=f"vllm fa{fa_version}"))
         q4 = q.view(R, T, *q.shape[1:])
         out = _paged_attention(q4, k, v, block_table, seqused_k, softmax_scale, _fa_mask(T, causal), 0.0)
         return out.view(R * T, *q.shape[1:])
 
     module = types.ModuleType("vllm.vllm_flash_attn")
     module.flash_attn_varlen_func = flash_attn_varlen_func
+    module.is_fa_version_supported = is_fa_version_supported
     return module
 
 
 def _fake_flash(flavor: str, calls: list) -> tuple[str, types.ModuleType]:
-    if flavor == "vllm":
-        return "vllm.vllm_flash_attn", _fake_vllm_module(calls)
+    if flavor in ("vllm", "vllm-fa3"):
+        return "vllm.vllm_flash_attn", _fake_vllm_module(calls, fa3=flavor == "vllm-fa3")
     name, kw = {"fa2": ("flash_attn", "block_table"), "fa3": ("flash_attn_interface", "page_table")}[flavor]
     return name, _fake_kvcache_module(name, kw, calls)
 
 
-def _case(visibility: str, block_size: int, dtype=torch.bfloat16):
+def _case(visibility: str, block_size: int, dtype=torch.bfloat16, meta_layout="contiguous"):
     modes = {"full": ["full", "padded", "full"], "causal": ["causal", "causal", "padded"]}[visibility]
     return make_case(seed=31, hkv=2, ratio=2, block_size=block_size, tokens=4, prefixes=[5, 3, 2], new_counts=[2, 4, 0],
-                     modes=modes, right_aligned=True, layout="transposed", dtype=dtype)
+                     modes=modes, right_aligned=True, layout="transposed", dtype=dtype, meta_layout=meta_layout)
+
+
+BUILD_RAN = {"fa2": "flash_attn", "fa3": "flash_attn_interface", "vllm": "vllm fa2", "vllm-fa3": "vllm fa3"}
 
 
 @pytest.mark.parametrize("visibility", ["full", "causal"])
-@pytest.mark.parametrize("flavor, block_size", [("fa2", 256), ("fa3", 4), ("vllm", 3)])
-def test_flash_attn_adapter_passes_the_pool_table_and_lengths(no_vendor_modules, flavor, block_size, visibility):
+@pytest.mark.parametrize("flavor, block_size", [("fa2", 256), ("fa3", 4), ("fa3", 3), ("vllm", 16), ("vllm-fa3", 32)])
+@pytest.mark.parametrize("meta_layout", ["contiguous", "strided"])
+def test_flash_attn_adapter_passes_the_pool_table_and_lengths(no_vendor_modules, flavor, block_size, visibility,
+                                                              meta_layout):
     calls: list = []
     name, module = _fake_flash(flavor, calls)
     no_vendor_modules.setitem(sys.modules, name, module)
     no_vendor_modules.setattr(fa, "DEVICE_TYPES", ("cuda", "cpu"))
-    case = _case(visibility, block_size)
+    case = _case(visibility, block_size, meta_layout=meta_layout)
     before = case.pool.clone()
     out = torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn", visibility=visibility)
     assert len(calls) == 1 and calls[0]["causal"] == (visibility == "causal")
+    assert calls[0]["build"] == BUILD_RAN[flavor], "FA3 wherever the build has it (vLLM defaults to FA2)"
     assert calls[0]["k_cache"].data_ptr() == case.pool[0].data_ptr(), "k_cache is the pool's K half, not a copy"
     assert calls[0]["v_cache"].data_ptr() == case.pool[1].data_ptr()
     assert torch.equal(case.pool, expected_pool(case, before)), "new K/V written at their slots first"
@@ -127,14 +152,35 @@ def test_flash_attn_adapter_passes_the_pool_table_and_lengths(no_vendor_modules,
     assert bool((out[empty] == 0).all()), "padded queries are zeroed even where flash-attn's mask sees keys"
 
 
-def test_flash_attn_2_page_size_rule(no_vendor_modules):
-    no_vendor_modules.setitem(sys.modules, "flash_attn", _fake_kvcache_module("flash_attn", "block_table", []))
+@pytest.mark.parametrize("flavor, block_size, rule", [
+    ("fa2", 16, r"block_size=16 \(flash-attn 2's paged mode needs block_size % 256 == 0\)"),
+    ("vllm", 8, r"block_size=8 \(vLLM's vllm_flash_attn needs block_size % 16 == 0\)"),
+    ("vllm-fa3", 3, r"block_size=3 \(vLLM's vllm_flash_attn needs block_size % 16 == 0\)"),
+])
+def test_flash_attn_page_size_rules(no_vendor_modules, flavor, block_size, rule):
+    """Each build's paged page-size rule is refused up front (unavailable_reason), never sent to the kernel."""
+    name, module = _fake_flash(flavor, [])
+    no_vendor_modules.setitem(sys.modules, name, module)
     no_vendor_modules.setattr(fa, "DEVICE_TYPES", ("cuda", "cpu"))
-    case = _case("full", block_size=4)
+    case = _case("full", block_size=block_size)
     before = case.pool.clone()
-    with pytest.raises(KernelUnavailableError, match=r"block_size % 256 == 0, got block_size=4"):
+    with pytest.raises(KernelUnavailableError, match=rule + ".*kernel='triton'"):
         torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn", visibility="full")
     assert torch.equal(case.pool, before)
+
+
+def test_flash_attn_prefers_a_build_whose_rule_the_block_size_meets(no_vendor_modules):
+    """Several builds importable: FA3 first; a block size FA2 cannot take falls through to vLLM's build."""
+    calls: list = []
+    for flavor in ("fa2", "vllm-fa3"):
+        name, module = _fake_flash(flavor, calls)
+        no_vendor_modules.setitem(sys.modules, name, module)
+    no_vendor_modules.setattr(fa, "DEVICE_TYPES", ("cuda", "cpu"))
+    assert fa.describe(16) == "vllm.vllm_flash_attn fa_version=3"
+    assert fa.describe(256) == "flash_attn (flash-attn 2)"
+    case = _case("full", block_size=16)
+    torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn", visibility="full")
+    assert [c["build"] for c in calls] == ["vllm fa3"]
 
 
 def test_flash_attn_refuses_layouts_it_cannot_express(no_vendor_modules):
@@ -158,15 +204,21 @@ def test_flash_attn_missing_package_or_device_is_named(no_vendor_modules):
         torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn", visibility="full")
 
 
-def _fake_torch_npu(calls):
+def _fake_torch_npu(calls, scale_kw: str = "scale"):
+    """torch_npu 7.0 (``scale``) or 6.0.x (``scale_value``): a wrong keyword is a TypeError, as in the real op."""
+
     def npu_fused_infer_attention_score(query, key, value, *, atten_mask=None, block_table=None,
-                                        actual_seq_lengths_kv=None, num_heads=1, scale=1.0, input_layout="BSH",
+                                        actual_seq_lengths_kv=None, num_heads=1, input_layout="BSH",
                                         num_key_value_heads=0, block_size=0, **kw):
-        assert not kw and input_layout == "BSND" and query.is_contiguous()
+        scale = kw.pop(scale_kw)
+        assert not kw, f"unexpected keywords {sorted(kw)}"
+        assert input_layout == "BSND" and query.is_contiguous()
         assert isinstance(actual_seq_lengths_kv, list) and all(type(n) is int for n in actual_seq_lengths_kv)
         R, T, Hq, D = query.shape
         assert Hq == num_heads and key.dim() == 3 and key.shape[1] == block_size
         assert key.shape[2] == num_key_value_heads * D and block_table.dtype == torch.int32
+        assert block_table.is_contiguous(), "block_table: non-contiguous tensors are not supported"
+        assert npu.page_size_rule(block_size, T, D) is None, "the adapter sent a block size the op refuses"
         calls.append(dict(mask=atten_mask, lengths=actual_seq_lengths_kv))
         k = key.view(key.shape[0], block_size, num_key_value_heads, D)
         v = value.view(k.shape)
@@ -178,21 +230,31 @@ def _fake_torch_npu(calls):
         out = _paged_attention(query, k, v, block_table, actual_seq_lengths_kv, scale, allowed, float("nan"))
         return out, torch.zeros(())
 
+    if scale_kw == "scale_value":  # 6.0.x's keyword, in the signature a caller can inspect
+        def fused(query, key, value, *, scale_value=1.0, **kw):
+            return npu_fused_infer_attention_score(query, key, value, scale_value=scale_value, **kw)
+    else:
+        def fused(query, key, value, *, scale=1.0, **kw):
+            return npu_fused_infer_attention_score(query, key, value, scale=scale, **kw)
+
     module = types.ModuleType("torch_npu")
-    module.npu_fused_infer_attention_score = npu_fused_infer_attention_score
+    module.npu_fused_infer_attention_score = fused
     return module
 
 
-@pytest.mark.parametrize("visibility", ["general", "full"])
-def test_npu_adapter_passes_bsnd_caches_host_lengths_and_mask(no_vendor_modules, visibility):
+@pytest.mark.parametrize("scale_kw", ["scale", "scale_value"], ids=["torch_npu-7.0", "torch_npu-6.0"])
+@pytest.mark.parametrize("visibility, meta_layout", [("general", "contiguous"), ("full", "contiguous"),
+                                                     ("general", "strided")])
+def test_npu_adapter_passes_bsnd_caches_host_lengths_and_mask(no_vendor_modules, visibility, meta_layout, scale_kw):
     calls: list = []
-    no_vendor_modules.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
+    no_vendor_modules.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls, scale_kw))
     no_vendor_modules.setattr(npu, "DEVICE_TYPES", ("npu", "cpu"))
     if visibility == "general":
-        case = make_case(seed=41, hkv=1, ratio=4, block_size=3, tokens=3, prefixes=[4, 0], new_counts=[3, 0],
-                         modes=["random", "padded"], layout="sliced", dtype=torch.float16)
+        case = make_case(seed=41, hkv=1, ratio=4, head_dim=64, block_size=16, tokens=3, prefixes=[20, 0],
+                         new_counts=[3, 0], modes=["random", "padded"], layout="sliced", dtype=torch.float16,
+                         meta_layout=meta_layout)
     else:
-        case = _case("full", block_size=4, dtype=torch.float16)
+        case = _case("full", block_size=128, dtype=torch.float16)
     before = case.pool.clone()
     out = torch.ops.paged_kv.write_attend(*case.args(), case.scale, "npu", visibility=visibility)
     assert calls[0]["lengths"] == case.seq_lens.tolist()
@@ -200,6 +262,22 @@ def test_npu_adapter_passes_bsnd_caches_host_lengths_and_mask(no_vendor_modules,
     assert torch.equal(case.pool, expected_pool(case, before))
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), dense_oracle(case), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("block_size, head_dim, tokens, ok", [
+    (16, 128, 4, True), (16, 8, 1, True), (128, 8, 4, True), (512, 64, 2, True),
+    (8, 128, 1, False), (1024, 128, 1, False), (16, 8, 4, False), (3, 64, 1, False),
+])
+def test_npu_page_size_rule(no_vendor_modules, block_size, head_dim, tokens, ok):
+    """Ascend's documented block_size rule is refused up front with the reason, never sent to the op."""
+    no_vendor_modules.setitem(sys.modules, "torch_npu", _fake_torch_npu([]))
+    no_vendor_modules.setattr(npu, "DEVICE_TYPES", ("npu", "cpu"))
+    query = torch.empty(1, tokens, 2, head_dim, dtype=torch.float16)
+    pool = torch.empty(2, 3, block_size, 1, head_dim, dtype=torch.float16)
+    reason = npu.unavailable_reason(query, pool, "full")
+    assert (reason is None) == ok, reason
+    if not ok:
+        assert f"got {block_size}" in reason and "kernel='reference'" in reason
 
 
 def test_npu_missing_package_is_named(no_vendor_modules):

@@ -35,6 +35,7 @@ def geometries(draw) -> dict:
         extra_width=draw(st.integers(0, 2)),
         pad_random=draw(st.booleans()),
         layout=draw(st.sampled_from(["contiguous", "transposed", "sliced"])),
+        meta_layout=draw(st.sampled_from(["contiguous", "strided", "transposed"])),
     )
 
 

@@ -49,3 +49,18 @@ def test_triton_attend_only_and_half_precision():
     want = torch.ops.paged_kv.attend(*read, "reference")
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
     assert torch.equal(case.pool, before), "attend never writes"
+
+
+@pytest.mark.parametrize("meta_layout", ["strided", "transposed"])
+@pytest.mark.parametrize("name", ["gqa2, padded row, unaligned prefix", "mha, block 8, padding first"])
+def test_triton_honours_every_stride(name, meta_layout):
+    """Strided views of all four metadata tensors (and of q/k/v, per geometry) give the oracle's answer."""
+    case = make_case(**GEOMETRIES[name], meta_layout=meta_layout)
+    assert not any(t.is_contiguous() for t in (case.slot_mapping, case.block_table, case.seq_lens,
+                                                case.kv_visible_end))
+    before = case.pool.clone()
+    got = torch.ops.paged_kv.write_attend(*case.args(), case.scale, "triton")
+    torch.testing.assert_close(got, dense_oracle(case), atol=1e-5, rtol=0)
+    assert torch.equal(case.pool, expected_pool(case, before))
+    read = (case.query, case.pool, case.block_table, case.seq_lens, case.kv_visible_end, case.scale)
+    torch.testing.assert_close(torch.ops.paged_kv.attend(*read, "triton"), got, atol=1e-5, rtol=0)

@@ -36,6 +36,17 @@ def _kvcache_call(table_kw: str) -> Callable:
     return call
 
 
+def vllm_fa_version(mod: ModuleType) -> int:
+    """3 where vLLM's build has a usable FA3 (Hopper), else 2 -- the choice vLLM itself makes first in
+    ``vllm/v1/attention/backends/fa_utils.py::get_flash_attn_version``. Without ``fa_version``
+    ``flash_attn_varlen_func`` runs its default, FA2, even on Hopper."""
+    supported = getattr(mod, "is_fa_version_supported", None)
+    try:
+        return 3 if supported is not None and supported(3) else 2
+    except Exception:  # noqa: BLE001 - a probe that fails (no device, old build) means FA3 is not usable
+        return 2
+
+
 def _vllm_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal):
     # vLLM's build only exposes the varlen entry point; every row has T queries.
     R, T, H, D = q.shape
@@ -43,7 +54,7 @@ def _vllm_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal):
     out = mod.flash_attn_varlen_func(
         q.reshape(R * T, H, D), k_cache, v_cache, max_seqlen_q=T, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_k=block_table.shape[1] * k_cache.shape[1], seqused_k=seq_lens, block_table=block_table,
-        softmax_scale=scale, causal=causal,
+        softmax_scale=scale, causal=causal, fa_version=vllm_fa_version(mod),
     )
     return out.view(R, T, H, D)
 
@@ -55,12 +66,27 @@ class Flavor:
     module: str
     page_multiple: int
     call: Callable
+    rule: str
+
+    def describe(self, mod: ModuleType) -> str:
+        """Which build and version runs, for reports (e.g. "vllm.vllm_flash_attn fa_version=3")."""
+        if self.call is _vllm_call:
+            return f"{self.module} fa_version={vllm_fa_version(mod)}"
+        return {"flash_attn_interface": "flash_attn_interface (flash-attn 3)"}.get(
+            self.module, f"{self.module} (flash-attn 2)")
 
 
+# Page-size rules of each build's paged mode:
+# * flash-attn 3 (hopper/flash_attn_interface.py): any page size -- "in FA3 there's no restriction on
+#   page_size", Dao-AILab/flash-attention issue 1627 (maintainer's answer).
+# * flash-attn 2 (flash_attn/flash_attn_interface.py, flash_attn_with_kvcache): "page_block_size must be
+#   a multiple of 256", checked in csrc/flash_attn/flash_api.cpp.
+# * vLLM's build (FA2 and FA3 alike): its FlashAttention backend declares MultipleOf(16) as the supported
+#   kernel block sizes (vllm/v1/attention/backends/flash_attn.py::get_supported_kernel_block_sizes).
 FLAVORS = (
-    Flavor("flash_attn_interface", 1, _kvcache_call("page_table")),  # FA3 (hopper build)
-    Flavor("flash_attn", 256, _kvcache_call("block_table")),  # FA2: paged mode needs block_size % 256 == 0
-    Flavor("vllm.vllm_flash_attn", 1, _vllm_call),  # vLLM's build: any block size
+    Flavor("flash_attn_interface", 1, _kvcache_call("page_table"), "flash-attn 3 takes any block size"),
+    Flavor("flash_attn", 256, _kvcache_call("block_table"), "flash-attn 2's paged mode needs block_size % 256 == 0"),
+    Flavor("vllm.vllm_flash_attn", 16, _vllm_call, "vLLM's vllm_flash_attn needs block_size % 16 == 0"),
 )
 
 
@@ -84,10 +110,18 @@ def select(block_size: int) -> tuple[Flavor, ModuleType] | str:
     for flavor, mod in loaded:
         if block_size % flavor.page_multiple == 0:
             return flavor, mod
+    rules = "; ".join(f.rule for f, _ in loaded)
     return (
-        f"flash-attn 2's paged mode needs block_size % 256 == 0, got block_size={block_size}: use a multiple "
-        "of 256, install flash-attn 3 or vLLM's vllm_flash_attn (any block size), or use kernel='triton'"
+        f"no importable flash-attn build takes block_size={block_size} ({rules}): choose a block size those "
+        "rules allow (16 for vLLM's build, 256 for flash-attn 2), install flash-attn 3 (any block size), "
+        "or use kernel='triton'"
     )
+
+
+def describe(block_size: int) -> str:
+    """The build (and FA version) that would serve `block_size`, or why none would."""
+    picked = select(block_size)
+    return picked if isinstance(picked, str) else picked[0].describe(picked[1])
 
 
 def unavailable_reason(query: torch.Tensor, kv_pool: torch.Tensor, visibility: str) -> str | None:
@@ -121,5 +155,8 @@ def attend(
     """Attend with flash-attn over the pool (the dispatcher wrote the new K/V), zero the padded queries."""
     flavor, mod = select(kv_pool.shape[2])
     causal = visibility == "causal"
-    out = flavor.call(mod, query.contiguous(), kv_pool[0], kv_pool[1], block_table, seq_lens, scale, causal)
+    # flash-attn checks that seqused_k/cache_seqlens are contiguous and block_table has a unit last
+    # stride (flash_api.cpp); the op accepts any strides, so copy where needed (a no-op for our buffers).
+    out = flavor.call(mod, query.contiguous(), kv_pool[0], kv_pool[1], block_table.contiguous(), seq_lens.contiguous(),
+                      scale, causal)
     return zero_padded_queries(out, seq_lens, kv_visible_end)

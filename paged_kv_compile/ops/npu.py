@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from types import ModuleType
 
 import torch
@@ -34,6 +35,48 @@ def load_module() -> ModuleType | None:
         return None
 
 
+def _argument_names(fn) -> set[str]:
+    """Keyword names `fn` accepts: its Python signature, else its torch op schema, else its docstring's."""
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        pass
+    try:
+        return {a.name for a in torch.ops.npu.npu_fused_infer_attention_score.default._schema.arguments}
+    except (AttributeError, RuntimeError):
+        pass
+    doc = getattr(fn, "__doc__", None) or ""
+    return {"scale_value"} if "scale_value" in doc else set()
+
+
+def scale_keyword(torch_npu: ModuleType) -> str:
+    """The softmax-scale keyword of this torch_npu: ``scale_value`` up to 6.0.x, ``scale`` from 7.0.
+
+    Prototypes: "float scale_value=1.0" in the 6.0.0 / 6.0.RC3 API reference (hiascend.com,
+    Pytorch/600 ptaoplist_000837, Pytorch/60RC3 ptaoplist_000768), "float scale=1.0" in 7.0.0's
+    (Pytorch/700 ptaoplist_001232) and in Ascend/op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md.
+    The torch_npu package version does not carry that release number, so the signature decides.
+    """
+    names = _argument_names(torch_npu.npu_fused_infer_attention_score)
+    return "scale_value" if "scale_value" in names and "scale" not in names else "scale"
+
+
+def page_size_rule(block_size: int, tokens: int, head_dim: int) -> str | None:
+    """Why Ascend's paged attention refuses `block_size` for float16/bfloat16 caches, or None.
+
+    From the block_size constraints of npu_fused_infer_attention_score (Ascend/op-plugin
+    docs/context/torch_npu-npu_fused_infer_attention_score.md: with page attention, float16/bfloat16 key/value
+    need block_size 16-aligned, at most 512) and of aclnnFusedInferAttentionScore (CANN ops docs: for GQA with
+    head_dim other than 64/128 and Q_S > 1, block_size 128-aligned and at most 512).
+    """
+    if block_size <= 0 or block_size > 512 or block_size % 16:
+        return f"needs block_size % 16 == 0 and 0 < block_size <= 512 for float16/bfloat16, got {block_size}"
+    if tokens > 1 and head_dim not in (64, 128) and block_size % 128:
+        return (f"with head_dim={head_dim} (not 64/128) and {tokens} query tokens needs block_size % 128 == 0, "
+                f"got {block_size}")
+    return None
+
+
 def unavailable_reason(query: torch.Tensor, kv_pool: torch.Tensor, visibility: str) -> str | None:
     """Why the NPU kernel cannot serve these inputs, or None."""
     if query.device.type not in DEVICE_TYPES:
@@ -42,6 +85,9 @@ def unavailable_reason(query: torch.Tensor, kv_pool: torch.Tensor, visibility: s
         return "kernel='npu' needs torch_npu, which is not importable: install torch-npu matching torch (with CANN)"
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"npu_fused_infer_attention_score takes float16/bfloat16, got {query.dtype}; use kernel='reference'"
+    rule = page_size_rule(kv_pool.shape[2], query.shape[1], query.shape[3])
+    if rule is not None:
+        return f"npu_fused_infer_attention_score's paged mode {rule}: change the pool's block_size, or use kernel='reference'"
     return None
 
 
@@ -64,7 +110,8 @@ def attend(
         mask = ~visible_mask(seq_lens, kv_visible_end, block_table.shape[1] * B).unsqueeze(1)
     out, _ = torch_npu.npu_fused_infer_attention_score(
         query.contiguous(), caches[0], caches[1],
-        atten_mask=mask, block_table=block_table, actual_seq_lengths_kv=seq_lens.tolist(),  # host sync, see above
-        num_heads=Hq, num_key_value_heads=Hkv, input_layout="BSND", scale=scale, block_size=B,
+        atten_mask=mask, block_table=block_table.contiguous(),
+        actual_seq_lengths_kv=seq_lens.tolist(),  # host sync, see above
+        num_heads=Hq, num_key_value_heads=Hkv, input_layout="BSND", block_size=B, **{scale_keyword(torch_npu): scale},
     )
     return zero_padded_queries(out, seq_lens, kv_visible_end)

@@ -54,7 +54,7 @@ def _attend_kernel(
     T, M, half_stride, slot_stride, pool_h_stride,
     s_qr, s_qt, s_qh, s_qd,
     s_or, s_ot, s_oh,
-    s_tr, s_vr, s_vt,
+    s_tr, s_tm, s_seq, s_vr, s_vt,
     B: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -73,7 +73,7 @@ def _attend_kernel(
 
     q = tl.load(Q + r * s_qr + t[:, None] * s_qt + h[:, None] * s_qh + d[None, :] * s_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    seq = tl.load(SeqLens + r)
+    seq = tl.load(SeqLens + r * s_seq)
     end = tl.load(VisEnd + r * s_vr + t * s_vt, mask=row_ok, other=0)
     end = tl.minimum(end, seq)
     kv_end = tl.minimum(tl.max(end, 0), M * B)
@@ -84,7 +84,7 @@ def _attend_kernel(
     for start in range(0, kv_end, BLOCK_N):
         p = start + tl.arange(0, BLOCK_N)
         p_ok = p < kv_end
-        block = tl.load(Table + r * s_tr + p // B, mask=p_ok, other=0).to(tl.int64)
+        block = tl.load(Table + r * s_tr + (p // B) * s_tm, mask=p_ok, other=0).to(tl.int64)
         addr = (block * B + p % B)[:, None] * slot_stride + kvh * pool_h_stride + d[None, :]
         kv_mask = p_ok[:, None] & d_ok[None, :]
         k = tl.load(Pool + addr, mask=kv_mask, other=0.0)
@@ -155,7 +155,7 @@ def attend(
         query, kv_pool, out, block_table, seq_lens, kv_visible_end, scale,
         T, block_table.shape[1], s[0], s[2], s[3],
         *query.stride(), *out.stride()[:3],
-        block_table.stride(0), *kv_visible_end.stride(),
+        *block_table.stride(), *seq_lens.stride(), *kv_visible_end.stride(),
         B=B, G=G, G_PAD=G_PAD, D=D, BLOCK_T=BLOCK_T, BLOCK_N=32,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
