@@ -17,6 +17,8 @@ persistent caches/pool are reported separately).
 
 A requested kernel that cannot run (missing package, page-size rule, visibility) is an error: the suite
 checks every (case, kernel) first and exits with status 2 and the reasons, before running anything.
+A paged output further from dense than TOLERANCE allows (max |paged - dense| / max |dense|, per dtype)
+is a mismatch: the suite reports it and exits with status 1.
 
     python -m benchmarks.gpu_suite [--out gpu_suite.json] [--kernels reference,triton,flash_attn]
                                    [--families dreamzero,hunyuan] [--layers 4] [--repeats 20] [--block-size 16]
@@ -53,6 +55,12 @@ from paged_kv_compile.pool import KVPool
 from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec, Scheduler
 
 EXIT_UNAVAILABLE = 2
+
+#: Largest accepted max |paged - dense| / max |dense| per dtype. Both sides round their output to the dtype
+#: (half an ulp: 2**-9 relative for bfloat16, 2**-12 for float16) and round probabilities differently inside;
+#: the bounds leave about 4-10x headroom over that. A kernel that reads wrong keys moves the output by the
+#: order of its own scale, far above them. float32 is the CPU dry run (the two sides agree to ~1e-6).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 @dataclass(frozen=True)
@@ -297,13 +305,20 @@ def _max_diff(a: list, b: list, rows: slice) -> float:
     return max(float((x[:, rows].float() - y[:, rows].float()).abs().max()) for x, y in zip(a, b))
 
 
+def _max_abs(a: list, rows: slice) -> float:
+    return max(float(x[:, rows].float().abs().max()) for x in a)
+
+
 def run_case(case: Case, kernels: list[str], repeats: int, device: torch.device) -> dict:
     variants: dict[str, Callable] = dict(case.dense)
     for kernel in kernels:
         variants[f"paged:{kernel}"] = case.paged(kernel)
     reference = case.dense["dense"]()
+    scale = max(_max_abs(reference, case.compare_rows), 1e-30)
+    tolerance = TOLERANCE[case.query.dtype]
     out = {"case": case.name, "family": case.family, "visibility": case.visibility, **case.info,
-           "persistent_bytes": case.persistent, "variants": {}, "errors": {}}
+           "persistent_bytes": case.persistent, "dense_max_abs": scale, "tolerance_rel": tolerance,
+           "variants": {}, "errors": {}, "mismatches": {}}
     runners: dict[str, Callable] = {}
     for name, fn in variants.items():
         try:
@@ -313,8 +328,12 @@ def run_case(case: Case, kernels: list[str], repeats: int, device: torch.device)
             peak, peak_source = _peak_bytes(fn, device)
             replay, graph_mode = _graphed(fn, device)
             runners[f"{name} eager"], runners[f"{name} graph"] = fn, replay
-            out["variants"][name] = {"max_abs_diff_vs_dense": diff, "transient_peak_bytes": peak,
-                                     "memory_source": peak_source, "graph_mode": graph_mode}
+            out["variants"][name] = {"max_abs_diff_vs_dense": diff, "rel_diff_vs_dense": diff / scale,
+                                     "transient_peak_bytes": peak, "memory_source": peak_source,
+                                     "graph_mode": graph_mode}
+            if not diff / scale <= tolerance:  # also catches NaN
+                out["mismatches"][name] = (f"max |paged - dense| = {diff:.3g} is {diff / scale:.3g} of max |dense| "
+                                           f"= {scale:.3g}, above the {case.query.dtype} tolerance {tolerance:g}")
         except Exception as e:  # recorded, reported, and turned into a failing exit status by main()
             out["errors"][name] = f"{type(e).__name__}: {e}"
     times: dict[str, list[float]] = {k: [] for k in runners}
@@ -436,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ("gpu_suite_dry_run.json" if dry else "gpu_suite.json"))
     out.write_text(json.dumps(report, indent=1))
     errors = {f"{c['case']} / {v}": e for c in results for v, e in c["errors"].items()}
+    mismatches = {f"{c['case']} / {v}": e for c in results for v, e in c["mismatches"].items()}
     if args.json:
         print(json.dumps(report))
     else:
@@ -446,8 +466,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"not run: {k}: {why}")
     if errors:
         print("gpu_suite: variants failed:\n  " + "\n  ".join(f"{k}: {e}" for k, e in errors.items()), file=sys.stderr)
-        return 1
-    return 0
+    if mismatches:
+        print("gpu_suite: paged output differs from dense:\n  "
+              + "\n  ".join(f"{k}: {e}" for k, e in mismatches.items()), file=sys.stderr)
+    return 1 if errors or mismatches else 0
 
 
 COLUMNS = [("case", "case"), ("variant", "variant"), ("eager ms", "eager_ms"), ("graph ms", "graph_ms"),

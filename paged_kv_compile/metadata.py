@@ -55,6 +55,11 @@ class BucketMetadata:
     The host stages only what is the same in every layer: layer 0's slots and table plus a mask of
     which entries are managed (per-layer) blocks. One copy moves that to the device, where two
     broadcast ops expand it to every layer: ``slots[l] = slots0 + managed * base_l * B``.
+
+    The copy is asynchronous on a CUDA device and the host may run ahead (CUDA graphs), so a pinned
+    staging buffer must not be written while a copy out of it is pending. Writes go through
+    :meth:`stage`, which alternates between two pinned buffers and first waits for the copy last issued
+    from the one it hands out; :meth:`upload` issues the copy from it and records that copy's event.
     """
 
     def __init__(self, bucket: Bucket, pool: KVPool, device: torch.device | None = None) -> None:
@@ -68,22 +73,40 @@ class BucketMetadata:
         expanded = [((L, R, T), torch.int64), ((L, R, M), torch.int32)]
         nbytes = _buffer_bytes(staged)
         self.device_buffer = torch.zeros(nbytes + _buffer_bytes(expanded), dtype=torch.uint8, device=device)
-        self.host_buffer = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.host_buffer = torch.zeros(2, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self._staged_device = self.device_buffer[:nbytes]
         (self._slot0, self._slot_managed, self._table0, self._table_managed, self.seq_lens,
          self.kv_visible_end) = _carve(self._staged_device, staged)
         self.slot_mapping, self.block_table = _carve(self.device_buffer[nbytes:], expanded)
-        self._host = _carve(self.host_buffer, staged)
+        self._host = [_carve(self.host_buffer[i], staged) for i in range(2)]
         self._slot_base = (pool.layer_bases * pool.block_size).view(L, 1, 1).to(device)
         self._block_base = pool.layer_bases.view(L, 1, 1).to(device=device, dtype=torch.int32)
         self.layers = [LayerViews(self.slot_mapping[l], self.block_table[l]) for l in range(L)]
         self.last_key: tuple = ()
-        self._copy_done: torch.cuda.Event | None = None
+        #: Makes the event recorded after each copy (None: copies are synchronous). Tests swap in fakes.
+        self.new_event = torch.cuda.Event if device.type == "cuda" else (lambda: None)
+        self._copy_done: list = [None, None]  # per staging buffer: the event of the last copy out of it
+        self._current = 1
+        self.copies = 0  # copies issued into device_buffer (padding states included)
         self.fill_with_padding(pool)
+
+    def stage(self) -> list[torch.Tensor]:
+        """Host views (slot0, slot_managed, table0, table_managed, seq_lens, kv_visible_end) to write the
+        next forward's values into; call :meth:`upload` after writing them.
+
+        Switches to the other pinned buffer and waits until the last copy out of it has completed, so no
+        write can reach a copy still pending (with two buffers the host may run one forward ahead).
+        """
+        self._current = 1 - self._current
+        done = self._copy_done[self._current]
+        if done is not None:
+            done.synchronize()
+            self._copy_done[self._current] = None
+        return self._host[self._current]
 
     def fill_with_padding(self, pool: KVPool) -> None:
         """A valid all-padding state: nothing written, nothing visible (before the first forward, warm-up)."""
-        slot0, slot_managed, table0, table_managed, seq, vis = self._host
+        slot0, slot_managed, table0, table_managed, seq, vis = self.stage()
         slot0.fill_(-1)
         table0.fill_(pool.pad_block)
         for t in (slot_managed, table_managed, seq, vis):
@@ -92,13 +115,16 @@ class BucketMetadata:
         self.last_key = ()
 
     def upload(self) -> None:
-        """The forward's one host-to-device copy, then the per-layer expansion on the device."""
-        if self._copy_done is not None:  # the previous copy must have left the staging buffer
-            self._copy_done.synchronize()
-        self._staged_device.copy_(self.host_buffer, non_blocking=True)
-        if self._staged_device.is_cuda:
-            self._copy_done = torch.cuda.Event()
-            self._copy_done.record()
+        """The forward's one host-to-device copy from the buffer :meth:`stage` handed out, and its event."""
+        self.copy_and_expand(self.host_buffer[self._current])
+        self.copies += 1
+        self._copy_done[self._current] = self.new_event()
+        if self._copy_done[self._current] is not None:
+            self._copy_done[self._current].record()
+
+    def copy_and_expand(self, host: torch.Tensor) -> None:
+        """Device work of one upload, in stream order: copy `host` in, expand it to every layer."""
+        self._staged_device.copy_(host, non_blocking=True)
         torch.mul(self._slot_base, self._slot_managed, out=self.slot_mapping)
         self.slot_mapping.add_(self._slot0)
         torch.mul(self._block_base, self._table_managed, out=self.block_table)
@@ -118,7 +144,16 @@ class MetadataBuilder:
         self.device = torch.device(device) if device is not None else pool.tensor.device
         self.buckets: dict[Bucket, BucketMetadata] = {}
         self.builds = 0
-        self.h2d_copies = 0
+
+    @property
+    def copies(self) -> int:
+        """Copies issued into the metadata buffers of every bucket (each build's one, padding states too)."""
+        return sum(meta.copies for meta in self.buckets.values())
+
+    @property
+    def h2d_copies(self) -> int:
+        """Of those, the host-to-device ones: none when the metadata lives on the CPU."""
+        return 0 if self.device.type == "cpu" else self.copies
 
     def buffers(self, bucket: Bucket) -> BucketMetadata:
         meta = self.buckets.get(bucket)
@@ -136,7 +171,7 @@ class MetadataBuilder:
         # fails half-way can never be skipped as a repeat of the previous key (another request's layout).
         meta.last_key = ()
         B = self.pool.block_size
-        slot0, slot_managed, table0, table_managed, seq, vis = meta._host
+        slot0, slot_managed, table0, table_managed, seq, vis = meta.stage()  # waits for its last copy
         slot0.fill_(-1)
         slot_managed.zero_()
         table0.fill_(self.pool.pad_block)
@@ -156,7 +191,6 @@ class MetadataBuilder:
             vis[r, :t] = row.visible_end
             seq[r] = row.seq_len
         meta.upload()
-        self.h2d_copies += 1
         self.builds += 1
         meta.last_key = key
         return meta

@@ -165,6 +165,8 @@ def test_run_all_runs_benchmarks(tmp_path, capsys):
 
 
 def test_gpu_suite_dry_run(tmp_path, capsys):
+    import torch
+
     out = tmp_path / "gpu.json"
     assert gpu_suite.main(["--dry-run", "--layers", "1", "--repeats", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -179,12 +181,30 @@ def test_gpu_suite_dry_run(tmp_path, capsys):
         want = {"dense"} | {f"paged:{k}" for k in expected} | ({"dense+stack"} if case["family"] == "dreamzero"
                                                               else set())
         assert set(case["variants"]) == want
+        assert not case["mismatches"] and case["tolerance_rel"] == gpu_suite.TOLERANCE[torch.float32]
         for name, v in case["variants"].items():
             assert v["max_abs_diff_vs_dense"] <= 1e-4, (case["case"], name)
             assert _finite_positive(v["eager_ms"]) and _finite_positive(v["graph_ms"])
             _check_ratio(v["eager_ratio_vs_dense_eager"])
             assert v["transient_peak_bytes"] >= 0 and v["memory_source"]
     assert "DRY RUN" in capsys.readouterr().out
+
+
+def test_gpu_suite_fails_a_kernel_that_is_off_by_more_than_the_tolerance(tmp_path, capsys, monkeypatch):
+    """A paged kernel whose output is 5% off (every value scaled): the suite must exit 1 and name it."""
+    from paged_kv_compile.ops import reference
+
+    exact = reference.attend
+    monkeypatch.setattr(reference, "attend", lambda *a, **k: exact(*a, **k) * 1.05)
+    out = tmp_path / "gpu.json"
+    rc = gpu_suite.main(["--dry-run", "--families", "hunyuan", "--kernels", "reference", "--layers", "1",
+                         "--repeats", "1", "--out", str(out)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "paged output differs from dense" in err and "hunyuan step / paged:reference" in err
+    report = json.loads(out.read_text())
+    for case in report["cases"]:
+        assert case["mismatches"] and case["variants"]["paged:reference"]["rel_diff_vs_dense"] > 1e-2
 
 
 def test_gpu_suite_refuses_unavailable_kernels(tmp_path, capsys):

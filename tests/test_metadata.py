@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -23,23 +24,46 @@ def runtime(**kw) -> PagedKVRuntime:
     return PagedKVRuntime(cfg)
 
 
-def test_buffers_keep_their_addresses_and_layers_differ_only_by_base():
+def expected_layer_metadata(pool, rows, layer: int, tokens: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s slot mapping and block table, token by token from the plan's row layouts and the
+    pool's own addressing (``KVPool.block_id``), independent of the builder's vectorized expansion."""
+    B = pool.block_size
+    slots = torch.full((len(rows), tokens), -1, dtype=torch.int64)
+    table = torch.full((len(rows), width), pool.pad_block, dtype=torch.int32)
+
+    def absolute(row, i):
+        local = int(row.table[i])
+        return int(pool.block_id(layer, local)) if bool(row.managed[i]) else local
+
+    for r, row in enumerate(rows):
+        for i in range(row.num_blocks):
+            table[r, i] = absolute(row, i)
+        for t, p in enumerate(row.positions.tolist()):
+            if p >= 0:
+                slots[r, t] = absolute(row, p // B) * B + p % B
+    return slots, table
+
+
+def test_buffers_keep_their_addresses_and_every_layer_gets_its_own_slots():
     rt = runtime()
     rt.open_session("s", SPEC, rows=2)
     seen = set()
     for commit in (True, False, False, True, False):
         with rt.dreamzero_forward("s", commit=commit) as active:
-            meta = active.meta
+            meta, rows = active.meta, active.plan.rows
             seen.add(meta.addresses() + (rt.pool.tensor.data_ptr(),))
-            per_layer = rt.pool.blocks_per_layer
-            for layer in range(1, 3):
-                managed = meta.slot_mapping[layer] >= per_layer * B * layer
-                # a managed slot of layer l is layer 0's slot shifted by l whole layers; scratch is shared
-                shift = torch.where(managed & (meta.slot_mapping[layer] < rt.pool.scratch_base * B),
-                                    per_layer * B * layer, 0)
-                assert torch.equal(meta.slot_mapping[layer], meta.slot_mapping[0] + shift)
+            for layer in range(rt.pool.num_layers):
+                slots, table = expected_layer_metadata(rt.pool, rows, layer, active.bucket.tokens, meta.width)
+                assert torch.equal(meta.slot_mapping[layer], slots), f"layer {layer}'s slots"
+                assert torch.equal(meta.block_table[layer], table), f"layer {layer}'s block table"
+                assert meta.layers[layer].slot_mapping.data_ptr() == meta.slot_mapping[layer].data_ptr()
+            managed_tokens = sum(int(r.managed[r.positions.clamp(min=0) // B][r.positions >= 0].sum()) for r in rows)
+            if managed_tokens:  # the check above can tell layers apart only where tokens land in managed blocks
+                assert not torch.equal(meta.slot_mapping[1], meta.slot_mapping[0])
     assert len(seen) == 1, "metadata buffers and the pool must never move"
-    assert rt.metadata.h2d_copies == 4, "one copy per forward; the repeated denoise layout is not rebuilt"
+    assert rt.metadata.builds == 4, "the repeated denoise layout is not rebuilt"
+    assert rt.metadata.copies == 1 + 4, "the bucket's padding state, then one copy per build"
+    assert rt.metadata.h2d_copies == 0, "CPU metadata: nothing crosses to a device"
 
 
 def test_padding_follows_the_op_conventions():
@@ -81,5 +105,96 @@ def test_metadata_benchmark_runs(capsys):
     import metadata_cost
 
     assert metadata_cost.main(["--repeats", "2", "--json"]) == 0
-    out = capsys.readouterr().out
-    assert '"DreamZero-14B"' in out and '"h2d_copies_per_forward": 1.0' in out
+    rows = {(r["model"], r["forward"]): r for r in json.loads(capsys.readouterr().out)}
+    copies = {k: r["copies_per_forward"] for k, r in rows.items()}
+    assert copies == {  # counted where the copies happen, not assumed
+        ("DreamZero-14B", "commit (new blocks)"): 1.0, ("DreamZero-14B", "denoise: build"): 1.0,
+        ("DreamZero-14B", "denoise: repeat"): 0.0, ("HunyuanImage-3", "prefill: build"): 1.0,
+        ("HunyuanImage-3", "prefill: repeat"): 0.0, ("HunyuanImage-3", "denoising step: build"): 1.0,
+        ("HunyuanImage-3", "denoising step: repeat"): 0.0,
+    }
+    assert all(r["h2d_copies_per_forward"] == 0 for r in rows.values()), "CPU metadata: no host-to-device copy"
+
+
+class FakeStream:
+    """A device stream the host runs ahead of: enqueued work runs only when an event after it is waited on
+    (or at drain), reading the pinned staging buffer at THAT time, as an asynchronous copy does."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+        self.log: list[str] = []
+
+    def event(self) -> "FakeEvent":
+        return FakeEvent(self)
+
+    def run_until(self, n: int) -> None:
+        while self.pending and self.pending[0][0] < n:
+            _, name, work = self.pending.pop(0)
+            self.log.append(f"run {name}")
+            work()
+
+    def drain(self) -> None:
+        self.run_until(10**9)
+
+
+class FakeEvent:
+    counter = 0
+
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream, self.mark = stream, None
+
+    def record(self) -> None:
+        self.mark = FakeEvent.counter
+
+    def synchronize(self) -> None:
+        self.stream.log.append("wait")
+        self.stream.run_until(self.mark + 1)
+
+
+def test_staging_buffer_is_never_written_while_a_copy_out_of_it_is_pending():
+    """Host runs ahead (no sync between forwards). Each copy, when it finally runs, must deliver the plan
+    that was staged for it -- not the next plan's values written into the same pinned buffer meanwhile."""
+    rt = runtime()
+    rt.open_session("s", SPEC, rows=2)
+    plans, bucket = [], None
+    for commit in (True, True, False, True, True):  # layouts differ forward to forward
+        plan = rt.scheduler.plan_dreamzero("s", commit=commit)
+        bucket = Bucket(len(plan.rows), plan.tokens, plan.context)
+        plans.append(plan)
+        rt.scheduler.finish_forward(plan)
+    # What each forward's metadata must be: built synchronously, one at a time.
+    from paged_kv_compile.metadata import MetadataBuilder
+
+    want = []
+    sync = MetadataBuilder(rt.pool)
+    for plan in plans:
+        m = sync.build(bucket, plan.rows)
+        want.append([t.clone() for t in (m.slot_mapping, m.block_table, m.seq_lens, m.kv_visible_end)])
+
+    stream = FakeStream()
+    builder = MetadataBuilder(rt.pool)
+    meta = builder.buffers(bucket)
+    meta.new_event = stream.event
+    delivered = []
+    run_copy = meta.copy_and_expand
+
+    def deferred(host):
+        FakeEvent.counter += 1
+        n = FakeEvent.counter
+
+        def work():
+            run_copy(host)
+            delivered.append([t.clone() for t in (meta.slot_mapping, meta.block_table, meta.seq_lens,
+                                                  meta.kv_visible_end)])
+        stream.pending.append((n, f"copy {n}", work))
+        stream.log.append(f"enqueue copy {n}")
+
+    meta.copy_and_expand = deferred
+    for plan in plans:  # the host builds every forward's metadata without waiting for the device
+        builder.build(bucket, plan.rows)
+    stream.drain()
+    assert len(delivered) == len(plans)
+    for i, (got, exp) in enumerate(zip(delivered, want)):
+        for g, e in zip(got, exp):
+            assert torch.equal(g, e), f"forward {i}'s copy delivered another forward's metadata: {stream.log}"
+    assert "wait" in stream.log, "with five forwards in flight the host must have waited for a buffer"
