@@ -50,7 +50,7 @@ def strided_view(t: torch.Tensor, filler: int, transposed: bool = False) -> torc
     `transposed` also swaps the row/column strides (column-major storage)."""
     if transposed and t.dim() == 2:
         return strided_view(t.t().contiguous(), filler).t()
-    wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), filler, dtype=t.dtype)
+    wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), filler, dtype=t.dtype, device=t.device)
     view = wide[..., ::2]
     view.copy_(t)
     return view
