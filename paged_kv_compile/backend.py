@@ -147,14 +147,14 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
         views = meta.layers[binding.resolve(example_inputs[site.weight_input])[1]]
         extras += [views.slot_mapping, views.block_table]
     compiled = _inner_compile(opts["inner_compiler"], new_gm, list(example_inputs) + extras)
-    masks = [s.mask_input for s in result.sites] if opts["check_mask"] else []
-    if opts["check_mask"] and None in masks:
+    masks = [(s.mask_input, s.mask_replay) for s in result.sites] if opts["check_mask"] else []
+    if opts["check_mask"] and any(index is None for index, _ in masks):
         raise ConfigError("check_mask: a site's mask is computed inside the graph, not passed in; it cannot be checked")
     return _paged_callable(compiled, result, bucket, tuple(runtime.pool.tensor.shape), masks)
 
 
 def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
-                    mask_inputs: list[int]) -> Callable:
+                    mask_inputs: list[tuple[int, Callable]]) -> Callable:
     """The function dynamo calls: appends the pool and the calling layer's metadata views.
 
     A plain function (not a callable object), so tools that read `__code__` (depyf) can name it.
@@ -181,8 +181,8 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
         runtime.check_layout(expect)
         if tuple(runtime.pool.tensor.shape) != pool_shape:
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime")
-        for index in mask_inputs:
-            runtime.check_dense_mask(args[index])
+        for index, replay in mask_inputs:
+            runtime.check_dense_mask(replay(args[index]))
         meta = active.meta
         runtime.record_layers(layers)
         extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]

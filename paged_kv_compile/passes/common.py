@@ -107,6 +107,24 @@ def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node]) -> dic
     return values if isinstance(values.get(node), torch.Tensor) else None
 
 
+def movement_replay(node: fx.Node, placeholders: list[fx.Node]):
+    """(input index, fn) such that fn(inputs[index]) recomputes `node` when it is pure data movement
+    (`.contiguous()`, slicing, views) of one graph input; None otherwise. For host-side checks of an input
+    as an op sees it (the check_mask option)."""
+    leaves, moves = movement_leaves(node)
+    if len(leaves) != 1 or leaves[0] not in placeholders:
+        return None
+    leaf = leaves[0]
+    # Snapshot the chain now: the rewrite erases these nodes (and fx clears an erased node's args).
+    graph = fx.Graph()
+    copies = {leaf: graph.placeholder("value")}
+    for n in moves:
+        copies[n] = graph.node_copy(n, lambda a: copies[a])
+    graph.output(copies[node])
+    replay = fx.GraphModule(torch.nn.Module(), graph)
+    return placeholders.index(leaf), replay
+
+
 @dataclass
 class LeafUse:
     """How one leaf feeds an attention input: its layout and the sequence positions read."""

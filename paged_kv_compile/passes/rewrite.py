@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -20,7 +21,7 @@ import torch.fx as fx
 from ..errors import PassError
 from ..families.base import Expectation
 from . import dreamzero, hunyuan_image3
-from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, to_bshd
+from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, movement_replay, to_bshd
 from .site import Match, Site, analyze, store_nodes
 
 FAMILIES = (dreamzero.match, hunyuan_image3.match)
@@ -42,6 +43,7 @@ class RewrittenSite:
     weight_input: int  # index of the layer-key parameter among the graph's inputs
     layer_key: str
     mask_input: int | None = None  # index of the dense mask among the inputs (for the check_mask option)
+    mask_replay: Callable | None = None  # the input -> the mask the site reads (data movement such as .contiguous())
 
 
 @dataclass
@@ -221,7 +223,8 @@ def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: Pas
                 store.replace_all_uses_with(store.args[0])
                 graph.erase_node(store)
         mask = site.args["attn_mask"]
-        result.sites.append(RewrittenSite(index_of[weight], _source_name(weight), index_of.get(mask)))
+        replay = movement_replay(mask, placeholders) if isinstance(mask, fx.Node) else None
+        result.sites.append(RewrittenSite(index_of[weight], _source_name(weight), *(replay or (None, None))))
 
 
 def _concat(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
