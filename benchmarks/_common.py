@@ -370,7 +370,7 @@ class HunyuanRequestDriver:
     def prefill(self, t: float = 1000.0) -> torch.Tensor:
         req = self.req
         target = self._target(t)
-        with self.hooks.forward("prefill"):
+        with self.hooks.forward("prefill", attention_mask=req.attention_mask):
             hidden = self.model(torch.cat([req.prefix_embeds, target], dim=1), req.rope_cos, req.rope_sin,
                                 req.attention_mask, self.caches, req.prefix_valid, "prefill")
         return hidden[:, req.prefix_capacity:]
@@ -378,7 +378,7 @@ class HunyuanRequestDriver:
     def step(self, t: float = 500.0) -> torch.Tensor:
         req = self.req
         target = self._target(t)
-        with self.hooks.forward("step"):
+        with self.hooks.forward("step", attention_mask=req.step_attention_mask):
             return self.model(target, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, self.caches,
                               req.prefix_valid, "step")
 

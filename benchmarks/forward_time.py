@@ -57,12 +57,12 @@ def _span(cfg, committed: int) -> int:
     return min((committed + 1) * cfg.chunk_tokens, cfg.max_attention_size)
 
 
-def host_ms(hooks, kind: str, n: int = 20) -> float:
+def host_ms(hooks, kind: str, n: int = 20, **info) -> float:
     """Median ms of the paged runtime's per-forward host work alone: plan + metadata + finish, no model."""
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        with hooks.forward(kind):
+        with hooks.forward(kind, **info):
             pass
         times.append(time.perf_counter() - t0)
     return round(statistics.median(times) * 1e3, 3)
@@ -136,7 +136,8 @@ def bench_hunyuan(name: str, cfg, inner: str, repeats: int, inner_loops: int) ->
                 "family": "hunyuan_image3", "config": name, "forward": forward,
                 "fill": f"prompts {list(lens)} / capacity {capacity}", "tokens_per_row": tokens,
                 "keys_per_query": capacity + cfg.target_len, **ratio_entry(times),
-                "paged_host_ms": host_ms(rp.hooks, forward), "max_abs_diff": diff,
+                "paged_host_ms": host_ms(rp.hooks, forward, attention_mask=rp.req.attention_mask
+                                         if forward == "prefill" else None), "max_abs_diff": diff,
             })
         for r in rows:
             r["graphs_dense"], r["graphs_paged"] = dense.backend.frames, paged.backend.frames

@@ -203,8 +203,9 @@ def hunyuan_case(g: HunyuanGeometry, phase: str, layers: int, block: int, dtype,
     blocks = sum(-(-p // block) for p in g.prompts)
     pool, sched, builder = _scheduler(layers, blocks, block, Hkv, D, T, dtype, device)
     sched.admit_request("r", spec)
-    sched.finish_forward(sched.plan_hunyuan("r", phase="prefill", prefix_capacity=P))  # prefilled
-    plan = sched.plan_hunyuan("r", phase=phase, prefix_capacity=P)
+    mask = spec.padded_mask(P)
+    sched.finish_forward(sched.plan_hunyuan("r", phase="prefill", prefix_capacity=P, attention_mask=mask))
+    plan = sched.plan_hunyuan("r", phase=phase, prefix_capacity=P, attention_mask=mask if phase == "prefill" else None)
     tokens = P + T if phase == "prefill" else T
     meta = builder.build(Bucket(R, tokens, P), plan.rows, plan.key)
     sched.finish_forward(plan)

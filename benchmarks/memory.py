@@ -191,7 +191,8 @@ def paged_hunyuan_probe(cfg, prompts: tuple[int, ...], dtype, block: int = REAL_
         except CapacityError:
             break
         for phase in ("prefill", "step"):
-            sched.finish_forward(sched.plan_hunyuan(rid, phase=phase, prefix_capacity=capacity))
+            mask = spec.padded_mask(capacity) if phase == "prefill" else None
+            sched.finish_forward(sched.plan_hunyuan(rid, phase=phase, prefix_capacity=capacity, attention_mask=mask))
         admitted += 1
     per_block = 2 * block * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
     request_blocks = sum(_ceil(p, block) for p in prompts)

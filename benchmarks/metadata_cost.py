@@ -90,9 +90,12 @@ def hunyuan(repeats: int, device: str = "cpu") -> list[dict]:
     block, prefix = 16, 1024
     sched, builder = _setup(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, 2 * prefix // block,
                             cfg.target_len, device)
-    sched.admit_request("r", HunyuanSpec((1000, 300), cfg.target_len, ((1, 1 + cfg.image_tokens),)))
+    spec = HunyuanSpec((1000, 300), cfg.target_len, ((1, 1 + cfg.image_tokens),))
+    sched.admit_request("r", spec)
+    mask = spec.padded_mask(prefix)  # the prefill reads each row's layout from the model's mask (once per request)
     rows = _measure("HunyuanImage-3", cfg.num_layers, "prefill", sched, builder,
-                    lambda: sched.plan_hunyuan("r", phase="prefill", prefix_capacity=prefix), repeats)
+                    lambda: sched.plan_hunyuan("r", phase="prefill", prefix_capacity=prefix, attention_mask=mask),
+                    repeats)
     rows += _measure("HunyuanImage-3", cfg.num_layers, "denoising step", sched, builder,
                      lambda: sched.plan_hunyuan("r", phase="step", prefix_capacity=prefix), repeats)
     return rows

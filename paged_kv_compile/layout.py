@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import RequestError
+
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -48,3 +50,97 @@ class RowLayout:
     @property
     def num_blocks(self) -> int:
         return int(self.table.numel())
+
+
+def allowed_keys(mask: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows, Q, K) bool on the host: which key columns each query may attend.
+
+    Accepts (rows, 1, Q, K), (rows, Q, K) or a broadcast (1, ...) mask; boolean (True = attend) or
+    additive (0 = attend; -inf or the dtype's lowest value = masked). Any other additive value is kept as
+    "attended" and then fails the prefix check: refused, never silently reinterpreted.
+    """
+    if mask.dim() == 4:
+        if mask.shape[1] != 1:
+            raise RequestError(f"the attention mask has {mask.shape[1]} head rows; one (broadcast over heads) is needed")
+        mask = mask[:, 0]
+    if mask.dim() != 3:
+        raise RequestError(f"the attention mask must be (rows, 1, queries, keys), got shape {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask > torch.finfo(mask.dtype).min
+    if allowed.shape[0] not in (1, rows):
+        raise RequestError(f"the attention mask has {allowed.shape[0]} rows but the request has {rows} CFG rows")
+    return allowed.expand(rows, *allowed.shape[1:]).to("cpu")
+
+
+@dataclass(frozen=True)
+class MaskLayout:
+    """One row's layout read from its own prefill mask (queries = keys = the S dense tokens).
+
+    positions[c]: the logical position of dense token c (its rank among the kept tokens), -1 for padding.
+    visible_end[q]: dense query q sees exactly the logical keys [0, visible_end[q]).
+    ends_by_position[i]: the visible end of the token at logical position i.
+    """
+
+    positions: torch.Tensor
+    visible_end: torch.Tensor
+    ends_by_position: torch.Tensor
+
+    @property
+    def kept(self) -> int:
+        return int(self.ends_by_position.numel())
+
+
+def layout_from_prefill_mask(allowed: torch.Tensor, row: int = 0) -> MaskLayout:
+    """Read a row's layout from its (S, S) prefill mask, or refuse with the first query it cannot express.
+
+    The paged op gives every query the first `visible_end` kept tokens of its row, in order. So: a token is
+    padding when no other token sees it and it sees nothing but (at most) itself; every other token that
+    anyone sees is kept, in dense order, wherever the padding sits (left, middle, right); and every query
+    must see exactly a prefix of the kept tokens. A causal pad after the target (right padding) is simply a
+    kept token nobody else reads. Runs once per request, on the host, outside any compiled region.
+    """
+    S = allowed.shape[-1]
+    if allowed.shape != (S, S):
+        raise RequestError(f"a prefill mask must be square (queries = keys), got {tuple(allowed.shape)}")
+    a = allowed.clone()
+    diag = torch.arange(S)
+    sees = a.sum(1)
+    seen_by_others = a.sum(0) - a[diag, diag].to(torch.int64)
+    pad = (seen_by_others == 0) & (sees - a[diag, diag].to(torch.int64) == 0)
+    a[pad] = False
+    a[:, pad] = False
+    kept = a.any(0)
+    positions = torch.where(kept, torch.cumsum(kept, 0) - 1, torch.full((S,), -1))
+    ends = a.sum(1)
+    expect = kept[None, :] & (positions[None, :] < ends[:, None])
+    bad = (a != expect).nonzero()
+    if len(bad):
+        q, c = (int(i) for i in bad[0])
+        raise RequestError(
+            f"row {row}: dense query {q} {'sees' if bool(a[q, c]) else 'does not see'} key {c}, but the paged op "
+            f"gives each query the first n kept tokens of its row, in order (query {q} sees {int(ends[q])}): this "
+            "mask (a window, a gap, or padding that real tokens see) cannot be paged; run this request densely"
+        )
+    ends_by_position = ends[kept]
+    return MaskLayout(positions, ends.to(torch.int64), ends_by_position.to(torch.int64))
+
+
+def mask_disagreement(allowed: torch.Tensor, row: RowLayout, key_positions: torch.Tensor) -> str:
+    """Where a dense (Q, K) mask row block disagrees with what the paged op gives each query ("" if nowhere).
+
+    key_positions[c] is the logical position dense key column c holds (-1: padding, never visible).
+    Queries with nothing visible (padding) are not compared: their output is not computed.
+    """
+    if allowed.shape[-1] != len(key_positions) or allowed.shape[-2] < row.num_tokens:
+        return (f"mask shape {tuple(allowed.shape)} vs {row.num_tokens} queries over {len(key_positions)} "
+                "dense key columns")
+    expect = (key_positions[None, :] >= 0) & (key_positions[None, :] < row.visible_end[:, None])
+    valid = row.visible_end > 0
+    got = allowed[: row.num_tokens]
+    bad = ((got != expect) & valid[:, None]).nonzero()
+    if not len(bad):
+        return ""
+    t, c = (int(i) for i in bad[0])
+    return f"query {t}, key column {c}: mask {bool(got[t, c])}, layout {bool(expect[t, c])}"

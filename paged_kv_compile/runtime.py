@@ -22,6 +22,7 @@ from . import families
 from .families.base import ForwardPlan
 from .families.dreamzero import DreamZeroSpec
 from .families.hunyuan_image3 import HunyuanSpec, prefix_capacity_for
+from .layout import allowed_keys, mask_disagreement
 from .metadata import BucketMetadata, MetadataBuilder
 from .pool import KVPool
 from .scheduler import Scheduler
@@ -190,8 +191,12 @@ class PagedKVRuntime:
         """A commit or denoising forward of the session; `branch`: one CFG row alone, as a batch-1 forward."""
         return self.forward(self.scheduler.plan_dreamzero(session_id, commit=commit, branch=branch))
 
-    def hunyuan_forward(self, request_id: str, *, phase: str, prefix_capacity: int) -> contextlib.AbstractContextManager:
-        return self.forward(self.scheduler.plan_hunyuan(request_id, phase=phase, prefix_capacity=prefix_capacity))
+    def hunyuan_forward(self, request_id: str, *, phase: str, prefix_capacity: int,
+                        attention_mask: torch.Tensor | None = None) -> contextlib.AbstractContextManager:
+        """A HunyuanImage-3 forward; the prefill needs the model's `attention_mask` (each row's layout is read
+        from it once per request); a step's mask is optional and checked once per request."""
+        return self.forward(self.scheduler.plan_hunyuan(request_id, phase=phase, prefix_capacity=prefix_capacity,
+                                                        attention_mask=attention_mask))
 
     def record_layers(self, layers) -> None:
         """Layers whose compiled site served the active forward (checked when it keeps its K/V)."""
@@ -221,29 +226,25 @@ class PagedKVRuntime:
     def check_dense_mask(self, mask: torch.Tensor) -> None:
         """Debug: the model's dense mask must allow exactly what the runtime's layout makes visible.
 
-        Dense key columns are either the new tokens (step 0: keys = queries) or a cached prefix of
-        `context` columns followed by the new tokens. Boolean or additive (0 / -inf) masks.
+        Each dense key column holds the logical position the plan says (`ForwardPlan.key_positions`);
+        without them the columns are the new tokens, after a cached prefix read as logical positions.
+        Boolean or additive masks.
         """
         plan = self.require_active().plan
-        allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
-        allowed = allowed.to("cpu")
+        allowed = allowed_keys(mask, len(plan.rows))
         for r, row in enumerate(plan.rows):
-            T, cols = row.num_tokens, allowed.shape[-1]
-            key_pos = row.positions
-            if cols != T:  # [cached prefix | new tokens]: cached column j is logical j below the prefix length
-                first_new = int(row.positions[row.positions >= 0].min())
-                cached = torch.arange(cols - T)
-                key_pos = torch.cat([torch.where(cached < first_new, cached, -1), row.positions])
-            expect = (key_pos[None, :] >= 0) & (key_pos[None, :] < row.visible_end[:, None])
-            queries = row.visible_end > 0
-            got = allowed[r, 0, :T][queries]
-            bad = (got != expect[queries]).nonzero()
-            if len(bad):
-                t, c = (int(i) for i in bad[0])
+            keys = plan.key_positions[r] if plan.key_positions else None
+            if keys is None:
+                keys, cols = row.positions, allowed.shape[-1]
+                if cols != row.num_tokens:  # [cached prefix | new tokens]: column j is logical j below the prefix
+                    first_new = int(row.positions[row.positions >= 0].min())
+                    cached = torch.arange(cols - row.num_tokens)
+                    keys = torch.cat([torch.where(cached < first_new, cached, -1), row.positions])
+            why = mask_disagreement(allowed[r], row, keys)
+            if why:
                 raise RequestError(
-                    f"check_mask: row {r}'s dense mask disagrees with the runtime's layout at valid query {t}, key "
-                    f"column {c} (mask {bool(got[t, c])}, layout {bool(expect[queries][t, c])}): the request spec "
-                    "(prefix lengths, target length, full spans) does not describe this model's mask"
+                    f"check_mask: row {r}'s dense mask disagrees with the runtime's layout at {why}: the request "
+                    "spec (prefix lengths, target length, full spans) does not describe this model's mask"
                 )
 
     # ---- lifecycle ----------------------------------------------------------------------------

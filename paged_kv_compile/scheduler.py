@@ -232,8 +232,10 @@ class Scheduler:
     def admit_request(self, request_id: str, spec: HunyuanSpec) -> None:
         self.admit(request_id, spec, family="hunyuan_image3")
 
-    def plan_hunyuan(self, request_id: str, *, phase: str, prefix_capacity: int) -> ForwardPlan:
-        return self.plan(request_id, phase, family="hunyuan_image3", prefix_capacity=prefix_capacity)
+    def plan_hunyuan(self, request_id: str, *, phase: str, prefix_capacity: int,
+                     attention_mask: torch.Tensor | None = None) -> ForwardPlan:
+        return self.plan(request_id, phase, family="hunyuan_image3", prefix_capacity=prefix_capacity,
+                         attention_mask=attention_mask)
 
     def finish_request(self, request_id: str) -> None:
         self.release(request_id, "finished", family="hunyuan_image3")

@@ -68,8 +68,10 @@ def test_buffers_keep_their_addresses_and_every_layer_gets_its_own_slots():
 
 def test_padding_follows_the_op_conventions():
     rt = runtime()
-    rt.admit_request("r", HunyuanSpec((5,), 6, ((1, 5),)))
-    with rt.forward(rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=8)):
+    spec = HunyuanSpec((5,), 6, ((1, 5),))
+    rt.admit_request("r", spec)
+    with rt.forward(rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=8,
+                                              attention_mask=spec.padded_mask(8))):
         pass
     bucket = Bucket(2, 14, 8)  # a 2-row bucket serving a 1-row request: row 1 is padding
     rt.scheduler.in_flight = None

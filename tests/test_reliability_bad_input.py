@@ -74,8 +74,9 @@ def make_world() -> World:
     rt.abort("gone")
     rt.open_session("closed", DZ, rows=1)
     rt.close_session("closed")
-    rt.admit_request("req", HunyuanSpec((5, 3), 6, ((1, 5),)))
-    with rt.hunyuan_forward("req", phase="prefill", prefix_capacity=8):
+    spec = HunyuanSpec((5, 3), 6, ((1, 5),))
+    rt.admit_request("req", spec)
+    with rt.hunyuan_forward("req", phase="prefill", prefix_capacity=8, attention_mask=spec.padded_mask(8)):
         pass
     rt.admit_request("done", HunyuanSpec((2,), 3))
     rt.finish_request("done")
@@ -234,8 +235,9 @@ BUCKET_CASES = [
      r"no configured step bucket with rows=2, tokens=6", None),
     ("bucket: warm-up of an unconfigured bucket", lambda w: w.rt.warmup_forward(Bucket(1, 7, 8)).__enter__(),
      RequestError, r"cannot warm up bucket Bucket\(rows=1, tokens=7, context=8\): not configured", None),
-    ("bucket: forward outside the buckets", lambda w: w.rt.hunyuan_forward("r", phase="prefill", prefix_capacity=5)
-     .__enter__(), RequestError,
+    ("bucket: forward outside the buckets", lambda w: w.rt.hunyuan_forward("r", phase="prefill", prefix_capacity=5,
+                                                                             attention_mask=HunyuanSpec((5,), 6)
+                                                                             .padded_mask(5)).__enter__(), RequestError,
      r"no configured bucket for rows=1, tokens=11, context=5; configured: .* Pad the forward",
      lambda w: w.rt.admit_request("r", HunyuanSpec((5,), 6))),
 ]
@@ -434,13 +436,14 @@ def test_a_block_of_another_bucket_than_the_active_forward_is_refused():
     req = model.build_request(prompts, 8)
     caches = PagedHooks(rt, "r").caches(model, 2, prefix_capacity=8)
     target = model.embed_target(torch.randn(2, cfg.image_tokens, cfg.latent_channels, generator=g), torch.zeros(2))
-    with rt.hunyuan_forward("r", phase="prefill", prefix_capacity=8):
+    with rt.hunyuan_forward("r", phase="prefill", prefix_capacity=8, attention_mask=req.attention_mask):
         model(torch.cat([req.prefix_embeds, target], 1), req.rope_cos, req.rope_sin, req.attention_mask, caches,
               req.prefix_valid, "prefill")
     step = (target, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, caches, req.prefix_valid, "step")
     with rt.hunyuan_forward("r", phase="step", prefix_capacity=8):
         model(*step)  # compiles the step graph
-    _refused_forward(rt, lambda: rt.hunyuan_forward("r", phase="prefill", prefix_capacity=8), lambda: model(*step),
+    _refused_forward(rt, lambda: rt.hunyuan_forward("r", phase="prefill", prefix_capacity=8,
+                                                        attention_mask=req.attention_mask), lambda: model(*step),
                      RequestError, r"compiled for bucket Bucket\(rows=2, tokens=\d+, context=8\) but the active "
                                    r"forward is bucket Bucket\(rows=2, tokens=\d+, context=8\).*stale metadata")
 
@@ -451,8 +454,10 @@ def test_a_dreamzero_site_inside_a_hunyuan_forward_is_refused():
     inputs = _block_inputs(model, rt)
     _commit_once(model, rt, inputs)
     cfg = TINY_DZ
-    rt.admit_request("h", HunyuanSpec((cfg.max_attention_size,) * 2, cfg.tokens_per_forward))
-    with rt.hunyuan_forward("h", phase="prefill", prefix_capacity=cfg.max_attention_size):
+    spec = HunyuanSpec((cfg.max_attention_size,) * 2, cfg.tokens_per_forward)
+    rt.admit_request("h", spec)
+    with rt.hunyuan_forward("h", phase="prefill", prefix_capacity=cfg.max_attention_size,
+                            attention_mask=spec.padded_mask(cfg.max_attention_size)):
         pass
     _refused_forward(rt, lambda: rt.hunyuan_forward("h", phase="step", prefix_capacity=cfg.max_attention_size),
                      lambda: model.blocks[0](*inputs), RequestError,

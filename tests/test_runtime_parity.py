@@ -119,8 +119,9 @@ def test_hunyuan_requests_attention_parity():
         rid = f"r{i}"
         runtime.admit_request(rid, hunyuan_spec(cfg, prompts))
         phases = []
-        for _, kind, _, calls in hooks.events:
-            plan = runtime.scheduler.plan_hunyuan(rid, phase=kind, prefix_capacity=12)
+        for _, kind, info, calls in hooks.events:
+            plan = runtime.scheduler.plan_hunyuan(rid, phase=kind, prefix_capacity=12,
+                                                  attention_mask=info["attention_mask"])
             assert replay(runtime, calls, plan, cfg.num_kv_heads) <= ATOL
             phases.append(kind)
         assert phases == ["prefill"] + ["step"] * 4

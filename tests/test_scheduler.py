@@ -101,7 +101,7 @@ def test_hunyuan_layout_prefill_and_step():
     spec = HunyuanSpec(prefix_lens=(5, 3), target_len=6, full_spans=((1, 5),))
     rt.admit_request("r", spec)
     assert [len(r) for r in rt.scheduler.owned_blocks()["r"]] == [2, 1]
-    plan = rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=8)
+    plan = rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=8, attention_mask=spec.padded_mask(8))
     row1 = plan.rows[1]  # prefix 3, pad 5, target 6
     assert row1.positions.tolist() == [0, 1, 2, -1, -1, -1, -1, -1, 3, 4, 5, 6, 7, 8]
     assert row1.visible_end.tolist() == [1, 2, 3, 0, 0, 0, 0, 0, 4, 8, 8, 8, 8, 9]
@@ -235,7 +235,10 @@ class Lifecycles(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self._live("hunyuan_image3")))
         owner = self.rt.scheduler.owners[rid]
         phase = "step" if "prefill" in owner.phases_done else "prefill"
-        plan = self.rt.scheduler.plan_hunyuan(rid, phase=phase, prefix_capacity=max(owner.spec.prefix_lens))
+        capacity = max(owner.spec.prefix_lens)
+        plan = self.rt.scheduler.plan_hunyuan(rid, phase=phase, prefix_capacity=capacity,
+                                              attention_mask=owner.spec.padded_mask(capacity) if phase == "prefill"
+                                              else None)
         run_forward(self.rt, plan, fail=fail)
 
     @precondition(lambda self: self.rt.scheduler.owners)

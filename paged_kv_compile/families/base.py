@@ -52,6 +52,7 @@ class Owner:
     rows: list[list[int]]
     version: int = 0  # bumped whenever the blocks change: keys the metadata cache
     phases_done: set[str] = field(default_factory=set)  # forward kinds that finished (e.g. "prefill")
+    state: dict[str, Any] = field(default_factory=dict)  # the family's own per-owner records (e.g. a layout)
 
     @property
     def num_rows(self) -> int:
@@ -71,6 +72,10 @@ class ForwardPlan:
     key: tuple = ()
     keeps_kv: bool = False  # its K/V is kept (a commit, a prefill): every layer must run, or it is rolled back
     phase: dict = field(default_factory=dict)  # the family's per-forward geometry (DreamZero: chunk/action tokens)
+    #: per row, the logical position each dense key column of the model's mask holds (-1: padding); None: the
+    #: columns are [cached prefix | new tokens] (check_dense_mask)
+    key_positions: list[torch.Tensor] | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # what the family's `finish` records on the owner
 
 
 class BlockSource(Protocol):

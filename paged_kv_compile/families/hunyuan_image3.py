@@ -2,8 +2,10 @@
 
 A request keeps its prompt prefix per CFG row in managed blocks (taken at admission, all rows or
 none). The prefill forward writes the whole sequence; each later step writes only the target span,
-at the same scratch slots every step. The dense model pads every prompt to a prefix capacity; the
-paged layout of a row is ``[prompt | target]``: pad tokens are neither written nor read.
+at the same scratch slots every step. Where the dense model pads its rows (our reference model in the
+middle, vllm-omni's tokenizer on the right, HF on the left) is read from the model's own prefill mask
+once per request (`layout.layout_from_prefill_mask`): the paged layout of a row is its kept tokens in
+order, ``[prompt | target | tail]``; pad tokens are neither written nor read.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from ..config import Bucket, PagedKVConfig
 from ..errors import ConfigError, RequestError
-from ..layout import RowLayout
+from ..layout import MaskLayout, RowLayout, allowed_keys, layout_from_prefill_mask, mask_disagreement
 from ..models.hunyuan_image3 import HunyuanImage3Model, HunyuanKVCache
 from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config
 
@@ -41,6 +43,44 @@ class HunyuanSpec:
         for start, end in self.full_spans:
             ends[start:end] = end
         return ends
+
+    @classmethod
+    def from_prefill_mask(cls, attention_mask: torch.Tensor, prefix_lens: Sequence[int],
+                          target_len: int) -> "HunyuanSpec":
+        """A spec whose full spans are read from the model's prefill mask (its first row's target tokens).
+
+        Host side, once per request; the prefill then checks every row against it.
+        """
+        allowed = allowed_keys(attention_mask, len(prefix_lens))
+        ml = layout_from_prefill_mask(allowed[0], 0)
+        p = int(prefix_lens[0])
+        if ml.kept < p + target_len:
+            raise RequestError(f"row 0 of the mask keeps {ml.kept} tokens, fewer than prompt {p} + target {target_len}")
+        rel = (ml.ends_by_position[p : p + target_len] - p).tolist()
+        spans, i = [], 0
+        while i < target_len:
+            if rel[i] > i + 1:  # token i sees ahead: a bidirectional span [i, rel[i])
+                spans.append((i, int(rel[i])))
+                i = int(rel[i])
+            else:
+                i += 1
+        return cls(tuple(int(x) for x in prefix_lens), target_len, tuple(spans))
+
+    def padded_mask(self, prefix_capacity: int) -> torch.Tensor:
+        """The (rows, 1, P + T, P + T) boolean prefill mask of the middle-padded layout this spec describes:
+        ``[prompt | pad up to prefix_capacity | target]``, causal, full spans bidirectional, each pad seeing only
+        itself (the reference model's layout; for callers that drive the runtime without a model)."""
+        P, T = prefix_capacity, self.target_len
+        masks = []
+        for p in self.prefix_lens:
+            keep = torch.cat([torch.arange(P) < p, torch.ones(T, dtype=torch.bool)])
+            logical = torch.cumsum(keep, 0) - 1
+            ends = torch.cat([torch.arange(1, P + 1), p + self.target_visible_end()])
+            m = keep[None, :] & keep[:, None] & (logical[None, :] < ends[:, None])
+            pads = torch.nonzero(~keep).flatten()
+            m[pads, pads] = True
+            masks.append(m)
+        return torch.stack(masks)[:, None]
 
 
 @dataclass(frozen=True)
@@ -125,11 +165,14 @@ class HunyuanImage3Family:
         return [ceil_div(p, B) for p in spec.prefix_lens]
 
     def plan(self, owner: Owner, blocks: BlockSource, kind: str, *, prefix_capacity: int | None = None,
-             **info: Any) -> ForwardPlan:
-        """A prefill (the whole padded sequence) or a denoising step (the target span only).
+             attention_mask: torch.Tensor | None = None, **info: Any) -> ForwardPlan:
+        """A prefill (the whole dense sequence) or a denoising step (the target span only).
 
-        The dense layout of a row is ``[prompt | pad up to prefix_capacity | target]``; the paged
-        layout is ``[prompt | target]``.
+        The layout is read from the model's own prefill `attention_mask` once per request (required at the
+        prefill): which dense token is which logical position, where each row's padding sits (left, middle,
+        right; causal pads are kept tokens nobody reads), what each query sees. It is checked against the
+        spec. A step feeds the `target_len` tokens after each row's prompt; its mask, when given, is checked
+        against that layout once per request.
         """
         spec: HunyuanSpec = owner.spec
         if kind not in KINDS:
@@ -143,27 +186,44 @@ class HunyuanImage3Family:
                 f"prefix_capacity={prefix_capacity} is below the longest prompt ({max(spec.prefix_lens)} tokens); "
                 "pad prompts to a capacity at least that long"
             )
+        rows = len(spec.prefix_lens)
+        if kind == "prefill":
+            if attention_mask is None:
+                raise RequestError(
+                    f"the prefill of request {owner.owner_id!r} needs the model's attention_mask: the runtime reads "
+                    "each row's layout (where padding sits, which tokens are kept) from it once per request. Pass "
+                    "runtime.hunyuan_forward(..., phase='prefill', attention_mask=<the mask the model gets>)"
+                )
+            allowed = allowed_keys(attention_mask, rows)
+            mask_layouts = [layout_from_prefill_mask(allowed[r], r) for r in range(rows)]
+            for r, (ml, p) in enumerate(zip(mask_layouts, spec.prefix_lens)):
+                _check_against_spec(r, ml, p, spec)
+        else:
+            mask_layouts = owner.state["layouts"]
         B, T = blocks.block_size, spec.target_len
-        rel_ends = spec.target_visible_end()
-        layouts = []
-        for r, (row, p) in enumerate(zip(owner.rows, spec.prefix_lens)):
-            target_pos = torch.arange(p, p + T, dtype=torch.int64)
-            target_end = p + rel_ends
+        layouts, key_positions = [], []
+        for r, (row, p, ml) in enumerate(zip(owner.rows, spec.prefix_lens, mask_layouts)):
             if kind == "prefill":
-                pad = prefix_capacity - p
-                positions = torch.cat([torch.arange(p), torch.full((pad,), -1), target_pos])
-                ends = torch.cat([torch.arange(1, p + 1), torch.zeros(pad, dtype=torch.int64), target_end])
+                positions, ends, seq_len = ml.positions, ml.visible_end, ml.kept
+                key_positions.append(ml.positions)
             else:
-                positions, ends = target_pos, target_end
-            scratch = blocks.scratch(r, len(row), (p + T - 1) // B)
-            layouts.append(RowLayout.build(row, scratch, positions, ends, p + T))
-        tokens = prefix_capacity + T if kind == "prefill" else T
+                positions = torch.arange(p, p + T, dtype=torch.int64)
+                ends, seq_len = ml.ends_by_position[p : p + T], p + T
+                key_positions.append(torch.cat([_cached_positions(ml, p, prefix_capacity), positions]))
+            scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
+            layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len))
+        state = {"layouts": mask_layouts} if kind == "prefill" else {}
+        if kind == "step" and attention_mask is not None and not owner.state.get("step_mask_checked"):
+            _check_step_mask(allowed_keys(attention_mask, rows), layouts, key_positions)
+            state["step_mask_checked"] = True
+        tokens = len(mask_layouts[0].positions) if kind == "prefill" else T
         key = (owner.owner_id, kind, owner.version, prefix_capacity)
         return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, [], key,
-                           keeps_kv=kind == "prefill")
+                           keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
-        """Nothing moves: the prefix was written in place (the scheduler records the prefill as done)."""
+        """Nothing moves (the prefix was written in place); the prefill's layout is kept for the steps."""
+        owner.state.update(plan.state)
 
     def check_expectation(self, expect: HunyuanExpect, owner: Owner, plan: ForwardPlan) -> None:
         """The prefix capacity is the bucket's context, which the runtime already checks per call."""
@@ -190,6 +250,43 @@ class HunyuanImage3Family:
         cfg = model.cfg
         standin = runtime.standin(batch, prefix_capacity, cfg.num_kv_heads, cfg.head_dim, writable=True)
         return [HunyuanKVCache(standin, standin) for _ in range(cfg.num_layers)]
+
+
+def _check_against_spec(r: int, ml: MaskLayout, p: int, spec: HunyuanSpec) -> None:
+    """The mask's target tokens must see what the spec says (else prefix_lens/target_len/spans are wrong)."""
+    T = spec.target_len
+    if ml.kept < p + T:
+        raise RequestError(
+            f"row {r}: the prefill mask keeps {ml.kept} tokens but the request spec needs prompt {p} + target {T}: "
+            "the request spec (prefix_lens, target_len) does not describe this mask"
+        )
+    want = p + spec.target_visible_end()
+    got = ml.ends_by_position[p : p + T]
+    if not torch.equal(got, want):
+        i = int((got != want).nonzero()[0])
+        raise RequestError(
+            f"row {r}: target token {i} (logical position {p + i}) sees {int(got[i])} tokens in the model's mask "
+            f"but {int(want[i])} in the request spec: the request spec (prefix_lens, target_len, full_spans) does "
+            "not describe this mask (a wrong prompt length, image span, or a token the steps do not feed)"
+        )
+
+
+def _cached_positions(ml: MaskLayout, p: int, capacity: int) -> torch.Tensor:
+    """Logical position of each dense cache column at a step: the cache holds the prefill's first `capacity`
+    dense keys, of which the row's prompt (logical < p) is kept; the rest reads as padding."""
+    pos = ml.positions[:capacity]
+    pos = torch.where((pos >= 0) & (pos < p), pos, -1)
+    return torch.cat([pos, torch.full((capacity - len(pos),), -1, dtype=torch.int64)])
+
+
+def _check_step_mask(allowed: torch.Tensor, layouts: list[RowLayout], key_positions: list[torch.Tensor]) -> None:
+    for r, (row, keys) in enumerate(zip(layouts, key_positions)):
+        why = mask_disagreement(allowed[r], row, keys)
+        if why:
+            raise RequestError(
+                f"row {r}: the step's mask disagrees with the layout read at the prefill ({why}): the steps do "
+                "not feed the tokens after each row's prompt that the prefill had there"
+            )
 
 
 def hunyuan_layer_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]:

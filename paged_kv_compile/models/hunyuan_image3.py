@@ -461,13 +461,13 @@ def hunyuan_steps(
             hidden = yield Forward("prefill", i, lambda: model(
                 torch.cat([req.prefix_embeds, target], dim=1), req.rope_cos, req.rope_sin,
                 req.attention_mask, caches, req.prefix_valid, "prefill",
-            ), info)  # fmt: skip
+            ), dict(attention_mask=req.attention_mask, **info))  # fmt: skip
             hidden = hidden[:, P:]
         else:
             hidden = yield Forward("step", i, lambda: model(
                 target, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, caches,
                 req.prefix_valid, "step",
-            ), dict(step=i, **info))  # fmt: skip
+            ), dict(step=i, attention_mask=req.step_attention_mask, **info))  # fmt: skip
         v = model.velocity(hidden)
         v = v[1] + guidance_scale * (v[0] - v[1]) if b == 2 else v[0]
         x = x + (sigmas[i + 1] - sigmas[i]) * v
