@@ -167,11 +167,16 @@ def _layouts(ndim: int) -> list[tuple[int | None, int, int, int, int]]:
     return []
 
 
-def _candidates(shape: tuple[int, ...], head_dim: int):
-    """(shape to read the leaf as, axes) pairs: as is, or with a fused H*D last axis split in two."""
+def _candidates(shape: tuple[int, ...], head_dim: int, batch: int):
+    """(shape to read the leaf as, axes) pairs: as is; with a fused H*D last axis split in two; and with a
+    leading flattened token axis (vLLM's (num_tokens, H, D) or (num_tokens, H*D)) split into (batch, seq).
+    Splits keep row-major order, so every candidate is verified element by element by the caller."""
     shapes = [shape]
     if shape and shape[-1] % head_dim == 0 and shape[-1] != head_dim:
         shapes.append(shape[:-1] + (shape[-1] // head_dim, head_dim))
+    for s in list(shapes):
+        if len(s) == 3 and batch > 0 and s[0] % batch == 0:
+            shapes.append((batch, s[0] // batch) + s[1:])
     return [(s, axes) for s in shapes for axes in _layouts(len(s))]
 
 
@@ -199,7 +204,7 @@ def provenance(node: fx.Node) -> tuple[Provenance | None, str]:
         cols = torch.nonzero(col_leaf == lid).flatten()
         sub = flat[:, :, cols, :]
         found = None
-        for shape, (kv, b, s, h, d) in _candidates(tuple(example(leaf).shape), Dx):
+        for shape, (kv, b, s, h, d) in _candidates(tuple(example(leaf).shape), Dx, Bx):
             if shape[b] != Bx or shape[d] != Dx or Hx % shape[h]:
                 continue
             strides = [1] * len(shape)
