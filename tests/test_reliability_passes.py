@@ -14,7 +14,7 @@ repeat_interleave, a tiled GQA mapping and hand-written softmax; the variants he
 The last four unsupported HunyuanImage-3 variants ran and were silently wrong before the checks added
 with these tests: a store that is not the attended keys (`passes/site.py`), a refused prefill whose store
 dead-code elimination dropped without an error (`passes/rewrite.py`), a mask narrowed inside the layer
-(`passes/hunyuan_image3.py`).
+(`families/hunyuan_image3.py`, `match`).
 """
 
 from __future__ import annotations

@@ -138,6 +138,11 @@ class Family(Protocol):
     def check_expectation(self, expect: Expectation, owner: Owner, plan: ForwardPlan) -> None:
         """Raise RequestError when a compiled site's expectation disagrees with the owner's spec or the plan."""
 
+    # ---- the idiom matcher (called by `passes/rewrite.py` for every attention site of a compiled graph) ----
+    def match(self, site: Any) -> Any:
+        """A `passes.site.Match` (pattern name + this family's `Expectation`) when the `passes.site.Site`'s
+        structure is this family's KV-cache idiom, else a string saying why not (it goes into the pass report)."""
+
     # ---- the model side (driver, warm-up) ----
     def owns_model(self, model: torch.nn.Module) -> bool: ...
 

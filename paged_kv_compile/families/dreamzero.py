@@ -19,6 +19,7 @@ from ..config import Bucket, PagedKVConfig
 from ..errors import CapacityError, ConfigError, RequestError
 from ..layout import RowLayout
 from ..models.dreamzero import DreamZeroModel
+from ..passes.site import Match, Site
 from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config
 
 NAME = "dreamzero"
@@ -107,7 +108,7 @@ class DreamZeroSpec:
 
 @dataclass(frozen=True)
 class DreamZeroExpect:
-    """What a compiled window site assumes (read from the graph by `passes/dreamzero.py`)."""
+    """What a compiled window site assumes (read from the graph by `match` below)."""
 
     window_tokens: int
     sink_tokens: int
@@ -259,6 +260,41 @@ class DreamZeroFamily:
             )
 
     # ---- the model side -----------------------------------------------------------------------
+    # ---- the idiom matcher (called by passes/rewrite.py for every attention site) ----
+    def match(self, site: Site) -> Match | str:
+        """The idiom matcher: a `Match` for the window idiom, or why this site is not one.
+
+        Dense code: ``new_k = cat([cache[0], roped_k], 1)[:, -window:]`` (optionally with the first `sink`
+        tokens kept), ``k = cat([new_k, k_action])``, non-causal attention, ``stack([new_k, new_v])``
+        returned. Read structurally, its key columns are: a run of cache positions (``[0, sink)`` then
+        ``[sink + chunk, window)``), then every new chunk token, then every action token. Which new tokens
+        are the chunk is read from the graph (those concatenated with the cache history), not from
+        which tensor they come from: vllm-omni ropes [video | registers] in one call and slices both out of it.
+        The runtime's window/sink plan supplies exactly those history positions from the pool.
+        """
+        if site.standin_ndim != 5:
+            return "history does not come from a (2, B, L, H, D) cache stand-in"
+        if site.args["attn_mask"] is not None or site.args["is_causal"]:
+            return "DreamZero's window attention is non-causal and unmasked; this site has a mask or is_causal"
+        if site.k_kv_index != 0 or site.v_kv_index != 1:
+            return "keys must come from cache[0] and values from cache[1]"
+        hist = site.history_positions
+        window = site.standin_seq_len
+        chunk = site.window_new_tokens
+        if chunk is None:
+            return "its keys never join cache history with new keys in one concatenation (cat([cache, new])[:, -window:])"
+        if len(hist) != window - chunk:
+            return f"the window keeps {len(hist)} history tokens; expected window - chunk = {window - chunk}"
+        sink = 0
+        while sink < len(hist) and hist[sink] == sink:
+            sink += 1
+        if hist[sink:] != list(range(sink + chunk, window)):
+            return "history positions are not a sink followed by the most recent window tokens"
+        expect = DreamZeroExpect(
+            window_tokens=window, sink_tokens=sink, chunk_tokens=chunk, action_tokens=sum(site.new_sizes) - chunk
+        )
+        return Match("dreamzero-window", expect, visibility="full")
+
     def owns_model(self, model: torch.nn.Module) -> bool:
         return isinstance(model, DreamZeroModel)
 

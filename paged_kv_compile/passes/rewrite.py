@@ -19,12 +19,10 @@ import torch
 import torch.fx as fx
 
 from ..errors import PassError
+from .. import families
 from ..families.base import Expectation
-from . import dreamzero, hunyuan_image3
 from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, movement_replay, to_bshd
 from .site import Match, Site, analyze, store_nodes
-
-FAMILIES = (dreamzero.match, hunyuan_image3.match)
 
 
 @dataclass
@@ -133,12 +131,12 @@ def rewrite(
         match: Match | None = None
         if not why:
             reasons = []
-            for family in FAMILIES:
-                got = family(site)
+            for family in families.FAMILIES:  # each family's idiom matcher, in registry order
+                got = family.match(site)
                 if isinstance(got, Match):
                     match = got
                     break
-                reasons.append(f"{family.__module__.rsplit('.', 1)[-1]}: {got}")
+                reasons.append(f"{family.name}: {got}")
             why = "" if match else "; ".join(reasons)
         weight = find_parameter([span.use.node for span in site.k_new], params) if match else None
         if match and weight is None:
