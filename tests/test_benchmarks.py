@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import compile_cost, forward_time, gpu_suite, memory, metadata_cost, run_all  # noqa: E402
+from benchmarks import compile_cost, forward_time, gpu_check, gpu_suite, memory, metadata_cost, run_all  # noqa: E402
 from benchmarks._common import DZ_TINY, summarize  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -229,3 +229,18 @@ def test_summarize():
     s = summarize([1.0, 2.0, 3.0, 4.0])
     assert s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 4.0 and s["q1"] <= s["median"] <= s["q3"]
     assert summarize([2.0])["q1"] == 2.0
+
+
+def test_gpu_check_dry_run(tmp_path, capsys):
+    """The one GPU script runs its gpu-marked tests on a CPU (tiny, PAGED_KV_GPU_DRY_RUN) and reports them."""
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--dry-run", "--skip-suite", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["dry_run"] and report["status"] == "PASS" and not report["failed"]
+    tests = report["checks"]["gpu tests"]
+    passed = [c["test"] for c in tests["tests"] if c["status"] == "PASS"]
+    assert any("captured_rollout" in t for t in passed) and any("triton_kernel" in t for t in passed)
+    assert all(c["status"] == "PASS" or c["detail"] for c in tests["tests"]), "a skip must say why"
+    fp32 = [f for f in tests["figures"] if "bfloat16" not in f["test"]]
+    assert fp32 and all(f["max_abs_diff_vs_dense"] <= 1e-5 for f in fp32)
+    assert "overall: PASS" in capsys.readouterr().out
