@@ -175,7 +175,12 @@ def paged_dreamzero_probe(cfg, dtype, block: int = REAL_BLOCK, *, budget_bytes=N
 
 def paged_hunyuan_probe(cfg, prompts: tuple[int, ...], dtype, block: int = REAL_BLOCK, *, budget_bytes=None,
                         blocks_per_layer=None, max_requests: int | None = None) -> dict:
-    """Admit requests (each then prefilled and stepped) until the scheduler refuses one."""
+    """Admit requests until the scheduler refuses one; the first is prefilled and stepped.
+
+    Capacity is decided at admission (a request's prompt blocks are reserved then; its forwards use per-row
+    scratch), so one request's forwards show the geometry runs. Planning every identical request would only
+    repeat the prefill's read of the (S, S) mask, about a second per request at the released size.
+    """
     try:
         pool, sched = _meta_scheduler(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, cfg.target_len, dtype,
                                       budget_bytes=budget_bytes, blocks_per_layer=blocks_per_layer)
@@ -190,9 +195,11 @@ def paged_hunyuan_probe(cfg, prompts: tuple[int, ...], dtype, block: int = REAL_
             sched.admit_request(rid, spec)
         except CapacityError:
             break
-        for phase in ("prefill", "step"):
-            mask = spec.padded_mask(capacity) if phase == "prefill" else None
-            sched.finish_forward(sched.plan_hunyuan(rid, phase=phase, prefix_capacity=capacity, attention_mask=mask))
+        if admitted == 0:
+            for phase in ("prefill", "step"):
+                mask = spec.padded_mask(capacity) if phase == "prefill" else None
+                plan = sched.plan_hunyuan(rid, phase=phase, prefix_capacity=capacity, attention_mask=mask)
+                sched.finish_forward(plan)
         admitted += 1
     per_block = 2 * block * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
     request_blocks = sum(_ceil(p, block) for p in prompts)
