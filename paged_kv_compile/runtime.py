@@ -261,6 +261,15 @@ class PagedKVRuntime:
     def close_session(self, session_id: str) -> None:
         self.scheduler.close_session(session_id)
 
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A zero-copy fork of a DreamZero session at a chunk boundary: the child shares every history block
+        (reference counts), so no KV is copied; its next commits go to its own blocks (`Scheduler.fork`)."""
+        if self.active is not None:
+            raise RequestError(
+                f"cannot fork {parent_id!r} while a forward is active; fork between forwards (after the with block)"
+            )
+        self.scheduler.fork(parent_id, child_id)
+
     def admit_request(self, request_id: str, spec: HunyuanSpec) -> None:
         self.scheduler.admit_request(request_id, spec)
 

@@ -138,6 +138,14 @@ class Family(Protocol):
     def check_expectation(self, expect: Expectation, owner: Owner, plan: ForwardPlan) -> None:
         """Raise RequestError when a compiled site's expectation disagrees with the owner's spec or the plan."""
 
+    # ---- forks (optional: a family without `fork_state` refuses forks) ----
+    # def fork_state(self, owner: Owner, blocks: BlockSource) -> dict[str, Any]:
+    #     """Raise RequestError when `owner` cannot be forked now; else the child's `Owner.state`. The child
+    #     shares every block of `owner` by reference count, so the family must never write a block it did
+    #     not take for the forward being planned (the scheduler checks this for every plan)."""
+    # def history_dropped(self, owner: Owner) -> None:
+    #     """The scheduler freed every block of `owner` (a window reset): forget what `state` says of them."""
+
     # ---- the idiom matcher (called by `passes/rewrite.py` for every attention site of a compiled graph) ----
     def match(self, site: Any) -> Any:
         """A `passes.site.Match` (pattern name + this family's `Expectation`) when the `passes.site.Site`'s

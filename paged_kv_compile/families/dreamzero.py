@@ -245,7 +245,31 @@ class DreamZeroFamily:
             if evicted:
                 blocks.free(evicted)
             owner.rows[r] = sink + kept
+        commits = owner.state.setdefault("commits", [0] * owner.num_rows)
+        for r, new in enumerate(plan.new_blocks):
+            commits[r] += bool(new)
         owner.version += 1
+
+    # ---- forks ----------------------------------------------------------------------------------
+    def fork_state(self, owner: Owner, blocks: BlockSource) -> dict[str, Any]:
+        """A session can be forked between forwards when every row has committed the same chunks.
+
+        No copy-on-write is ever needed: admission requires block_size | frame_seqlen and every commit
+        writes whole frames into blocks it takes for itself (`plan`), so every history block is full and a
+        child's next commit writes only blocks it allocates. The scheduler checks that no plan writes a
+        block with more than one owner (`Scheduler._check_writes`).
+        """
+        commits = list(owner.state.get("commits", [0] * owner.num_rows))
+        if len(set(commits)) > 1:
+            raise RequestError(
+                f"session {owner.owner_id!r} is not at a chunk boundary: its rows (CFG branches) have committed "
+                f"{commits} chunks since the last window reset; commit the same chunk on every branch "
+                "(plan_dreamzero(..., branch=b)) before forking"
+            )
+        return {"commits": commits}
+
+    def history_dropped(self, owner: Owner) -> None:
+        owner.state.pop("commits", None)
 
     def check_expectation(self, expect: DreamZeroExpect, owner: Owner, plan: ForwardPlan) -> None:
         spec: DreamZeroSpec = owner.spec
