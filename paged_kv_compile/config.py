@@ -10,6 +10,8 @@ from .errors import ConfigError
 
 KERNELS = ("auto", "reference", "triton", "flash_attn", "npu")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+#: Pool dtypes stored with scales (quantized on write by the op, dequantized in attention; see pool.py).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True, order=True)
@@ -37,6 +39,9 @@ class PagedKVConfig:
     Give either `blocks_per_layer` or `budget_bytes` (the whole pool's byte budget on this device).
     `max_rows` is the number of rows one forward may carry on this device: with CFG-parallel (one
     branch per rank) it is 1 and scratch and capacity are sized for one row.
+    `dtype` is the compute dtype (query, key, value, stand-ins); `kv_dtype` the pool's storage dtype:
+    None stores `dtype`, torch.float8_e4m3fn / torch.float8_e5m2 store FP8 with per (layer, kv head)
+    scales (pool.py says why that granularity).
     """
 
     num_layers: int
@@ -49,6 +54,7 @@ class PagedKVConfig:
     scratch_tokens_per_row: int = 256
     buckets: tuple[Bucket, ...] = ()
     dtype: torch.dtype = torch.float32
+    kv_dtype: torch.dtype | None = None
     device: str = "cpu"
     kernel: str = "auto"
     inner_compiler: str = "inductor"
@@ -75,11 +81,23 @@ class PagedKVConfig:
             raise ConfigError(
                 f"unknown inner_compiler {self.inner_compiler!r}; choose one of {', '.join(INNER_COMPILERS)}"
             )
+        if self.kv_dtype is not None and self.kv_dtype != self.dtype and self.kv_dtype not in FP8_DTYPES:
+            raise ConfigError(
+                f"kv_dtype={self.kv_dtype} is not supported: use None (store {self.dtype}), torch.float8_e4m3fn "
+                "or torch.float8_e5m2"
+            )
+        if self.kv_dtype in FP8_DTYPES and self.dtype in FP8_DTYPES:
+            raise ConfigError(f"dtype is the compute dtype and cannot be {self.dtype}; set kv_dtype for an FP8 pool")
         for b in self.buckets:
             if b.rows < 1 or b.tokens < 1 or b.context < 0:
                 raise ConfigError(f"bucket {b} needs rows >= 1, tokens >= 1, context >= 0")
             if b.rows > self.max_rows:
                 raise ConfigError(f"bucket {b} has more rows than max_rows={self.max_rows}; raise max_rows")
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        """The dtype the pool stores: `kv_dtype`, or `dtype` when it is None."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def scratch_blocks_per_row(self) -> int:

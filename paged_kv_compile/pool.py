@@ -5,13 +5,31 @@ Layer ``l``'s local block ``b`` is absolute block ``l * blocks_per_layer + b``; 
 block ``a`` is ``a * block_size + s``. Scratch blocks hold transient K/V (denoising steps, action
 tokens, the rewritten target span) and are shared by all layers: the fused op writes and reads them in
 one call, so no layer needs another layer's scratch. The pad block is never valid and never written.
+
+FP8 pools (``kv_dtype`` float8_e4m3fn / float8_e5m2) carry ``scales`` ``[2, num_blocks_total, Hkv]``
+float32 (K, V): one static scale per (layer, kv head), stored in each of the layer's blocks so that the
+op finds it from a block id, without a layer index, a graph break or a host read. The op quantizes a
+row's new K/V with the scales of the row's first table block and dequantizes the row with the same ones
+(``ops/reference.py``, ``row_scales``): the row's blocks of one layer share one scale, and scratch blocks
+(shared by all layers, written and read within one call) hold the per-head maximum over layers.
+Why this granularity:
+  * FP8 is a float format: a scale only places the range (e4m3: 448 down to 2**-6 at full precision,
+    2**-9 subnormal), the relative error is the same 2**-4 anywhere in it. Per-block scales, which int8
+    /int4 caches need, buy little here, and a block is filled by several forwards (chunks): a dynamic
+    per-block scale would have to be grown, and the block requantized, by a later write.
+  * vLLM ships static per-layer scales (``kv_cache_dtype="fp8"``, ``k_scale``/``v_scale``, 1.0 unless a
+    checkpoint or ``calculate_kv_scales`` sets them) and expands them to FA3's ``k_descale``/``v_descale``
+    ``(num_seqs, num_kv_heads)`` (vllm/v1/attention/backends/flash_attn.py); per (layer, kv head) is
+    that shape exactly, so the flash-attn adapter passes the op's own scales, not an approximation.
+  * Static scales are never written by the op: the pool stays the op's only mutated argument.
+Set them with `set_scales` (e.g. from a calibration run's amax, `scales_from_amax`); they default to 1.0.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .config import PagedKVConfig
+from .config import FP8_DTYPES, PagedKVConfig
 from .errors import ConfigError
 
 
@@ -44,6 +62,8 @@ class KVPool:
             )
         if not dtype.is_floating_point:
             raise ConfigError(f"the pool dtype must be a floating type, got {dtype}")
+        #: float32 [2, num_blocks_total, Hkv] for FP8 pools (see the module docstring), else None.
+        self.scales: torch.Tensor | None = None
         self.num_layers = num_layers
         self.blocks_per_layer = blocks_per_layer
         self.block_size = block_size
@@ -57,14 +77,19 @@ class KVPool:
         self.tensor = torch.zeros(
             2, self.num_blocks_total, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
+        if dtype in FP8_DTYPES:
+            self.scales = torch.ones(2, self.num_blocks_total, num_kv_heads, dtype=torch.float32, device=device)
         self.layer_bases = torch.arange(num_layers, dtype=torch.int64) * blocks_per_layer
 
     # ---- construction -------------------------------------------------------------------------
     @staticmethod
     def bytes_per_block_all_layers(cfg: PagedKVConfig) -> int:
-        """Bytes one local block costs: K and V, in every layer."""
-        itemsize = torch.empty((), dtype=cfg.dtype).element_size()
-        return 2 * cfg.num_layers * cfg.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        """Bytes one local block costs: K and V (and their FP8 scales), in every layer."""
+        itemsize = torch.empty((), dtype=cfg.pool_dtype).element_size()
+        per_layer = cfg.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        if cfg.pool_dtype in FP8_DTYPES:
+            per_layer += cfg.num_kv_heads * 4  # one float32 scale per kv head
+        return 2 * cfg.num_layers * per_layer
 
     @classmethod
     def from_config(cls, cfg: PagedKVConfig, *, min_tokens_per_layer: int = 0) -> "KVPool":
@@ -97,14 +122,46 @@ class KVPool:
             cfg.head_dim,
             scratch_rows=cfg.max_rows,
             scratch_blocks_per_row=cfg.scratch_blocks_per_row,
-            dtype=cfg.dtype,
+            dtype=cfg.pool_dtype,
             device=cfg.device,
         )
 
     # ---- reports ------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.tensor.numel() * self.tensor.element_size() + scales
+
+    # ---- FP8 scales ---------------------------------------------------------------------------
+    def set_scales(self, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
+        """Static scales per (layer, kv head), each broadcastable to ``[num_layers, num_kv_heads]``.
+
+        A stored value x means x * scale. Scratch and pad blocks get the per-head maximum over layers.
+        Set them before the first forward: blocks already written keep the values of their old scale.
+        """
+        if self.scales is None:
+            raise ConfigError(f"the pool stores {self.tensor.dtype}, not FP8: it has no scales; set kv_dtype")
+        shape = (self.num_layers, self.num_kv_heads)
+        new = []
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            s = torch.as_tensor(s, dtype=torch.float32)
+            try:
+                s = s.expand(shape).to(self.scales.device)
+            except RuntimeError:
+                raise ConfigError(f"{name} has shape {tuple(s.shape)}; it must broadcast to {shape}") from None
+            if not bool(torch.isfinite(s).all() & (s > 0).all()):
+                raise ConfigError(f"{name} must be finite and > 0 (a stored value x means x * scale)")
+            new.append(s)
+        managed = self.scratch_base
+        for half, s in enumerate(new):
+            self.scales[half, :managed] = s.repeat_interleave(self.blocks_per_layer, 0)
+            self.scales[half, managed:] = s.amax(0)
+
+    @staticmethod
+    def scales_from_amax(amax: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+        """Scales that map a calibrated absolute maximum onto the FP8 format's largest value (1.0 where 0)."""
+        amax = torch.as_tensor(amax, dtype=torch.float32)
+        return torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
 
     @property
     def tokens_per_layer(self) -> int:
@@ -117,6 +174,7 @@ class KVPool:
             "tokens_per_layer": self.tokens_per_layer,
             "scratch_blocks": self.pad_block - self.scratch_base,
             "block_size": self.block_size,
+            "dtype": str(self.tensor.dtype).removeprefix("torch."),
             "shape": tuple(self.tensor.shape),
         }
 

@@ -171,3 +171,47 @@ def expected_pool(case: Case, before: torch.Tensor) -> torch.Tensor:
         flat[0, case.slot_mapping[r, t]] = case.key[r, t]
         flat[1, case.slot_mapping[r, t]] = case.value[r, t]
     return want
+
+
+def fp8_case(case: Case, dtype: torch.dtype, seed: int = 0, low: float = 0.004, high: float = 0.02) -> tuple:
+    """The case on an FP8 pool: ``(pool, kv_scales, oracle_case)``.
+
+    Every block gets a random scale per (K/V, kv head) in [low, high] (the defaults saturate the tails of
+    randn values: |x| > 448 * scale); each row's blocks share its first block's scales, as a layer's
+    blocks do (KVPool.set_scales). The pool holds the case's history quantized with those scales. The
+    oracle case carries the quantize-dequantize round trip of every logical K/V: dense attention over
+    it is the exact oracle of the FP8 path.
+    """
+    from paged_kv_compile.ops.fp8 import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(seed)
+    _, N, B, H, D = case.pool.shape
+    scales = torch.empty(2, N, H).uniform_(low, high, generator=gen)
+    rows = []
+    for r, kl in enumerate(case.k_logical):
+        used = case.block_table[r, : max(-(-kl.shape[0] // B), 1)].long()
+        scales[:, used] = scales[:, used[:1]]
+        rows.append(scales[:, int(case.block_table[r, 0])])
+    pool = quantize(case.pool, scales[:, :, None, :, None], dtype)
+
+    def round_trip(x, s):
+        return dequantize(quantize(x, s, dtype), s, torch.float32)
+
+    oracle = Case(**{**case.__dict__})
+    oracle.k_logical = [round_trip(k, s[0][:, None]) for k, s in zip(case.k_logical, rows)]
+    oracle.v_logical = [round_trip(v, s[1][:, None]) for v, s in zip(case.v_logical, rows)]
+    return pool, scales, oracle
+
+
+def expected_fp8_pool(case: Case, before: torch.Tensor, kv_scales: torch.Tensor) -> torch.Tensor:
+    """`before` with exactly the valid tokens' key/value written, quantized with their row's scales."""
+    from paged_kv_compile.ops.fp8 import quantize
+
+    _, N, B, H, D = before.shape
+    want = before.clone()
+    flat = want.view(2, N * B, H, D)
+    for r, t in (case.slot_mapping >= 0).nonzero().tolist():
+        s = kv_scales[:, int(case.block_table[r, 0])]
+        flat[0, case.slot_mapping[r, t]] = quantize(case.key[r, t], s[0][:, None], before.dtype)
+        flat[1, case.slot_mapping[r, t]] = quantize(case.value[r, t], s[1][:, None], before.dtype)
+    return want

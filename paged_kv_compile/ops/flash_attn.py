@@ -8,6 +8,13 @@ flash-attn expresses two visibility layouts: every query sees [0, seq_len) (non-
 bottom-right causal. Checking ``kv_visible_end`` against them needs a host sync, so the caller states
 the layout with the op's ``visibility`` hint ("full" or "causal"); "general" is refused here. The hint
 is verified on CPU tensors only (see write_attend.check_values). Padded queries are zeroed afterwards.
+
+FP8 pools (float8_e4m3fn only): FA3 alone reads FP8 caches, and only with an FP8 query of the same
+dtype. The adapter passes the op's own row scales as ``k_descale``/``v_descale`` ``(R, Hkv)`` (the
+shape vLLM builds in vllm/v1/attention/backends/flash_attn.py) and quantizes the query with a dynamic
+per (row, kv head) scale, passed as ``q_descale``. flash-attn 2 has no FP8 KV (vLLM's FA2 path raises
+"FA2 does not support ... q_descale, k_descale, v_descale") and vLLM refuses fp8_e5m2 for flash-attn
+(vllm/v1/attention/backends/fa_utils.py, flash_attn_supports_kv_cache_dtype): both are refused.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from .fp8 import is_fp8, quantize
 from .reference import zero_padded_queries
 from .reference import write_kv  # noqa: F401  the dispatcher writes new K/V with <kernel module>.write_kv
 
@@ -28,9 +36,10 @@ DEVICE_TYPES = ("cuda",)
 
 
 def _kvcache_call(table_kw: str) -> Callable:
-    def call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal):
+    def call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, **descales):
         return mod.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=seq_lens, softmax_scale=scale, causal=causal, **{table_kw: block_table}
+            q, k_cache, v_cache, cache_seqlens=seq_lens, softmax_scale=scale, causal=causal, **{table_kw: block_table},
+            **descales,
         )
 
     return call
@@ -47,14 +56,14 @@ def vllm_fa_version(mod: ModuleType) -> int:
         return 2
 
 
-def _vllm_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal):
+def _vllm_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, **descales):
     # vLLM's build only exposes the varlen entry point; every row has T queries.
     R, T, H, D = q.shape
     cu_seqlens_q = torch.arange(0, (R + 1) * T, T, dtype=torch.int32, device=q.device)
     out = mod.flash_attn_varlen_func(
         q.reshape(R * T, H, D), k_cache, v_cache, max_seqlen_q=T, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_k=block_table.shape[1] * k_cache.shape[1], seqused_k=seq_lens, block_table=block_table,
-        softmax_scale=scale, causal=causal, fa_version=vllm_fa_version(mod),
+        softmax_scale=scale, causal=causal, fa_version=vllm_fa_version(mod), **descales,
     )
     return out.view(R, T, H, D)
 
@@ -67,6 +76,12 @@ class Flavor:
     page_multiple: int
     call: Callable
     rule: str
+
+    def reads_fp8(self, mod: ModuleType) -> bool:
+        """Whether this build reads FP8 caches with descales: FA3 only."""
+        if self.call is _vllm_call:
+            return vllm_fa_version(mod) == 3
+        return self.module == "flash_attn_interface"
 
     def describe(self, mod: ModuleType) -> str:
         """Which build and version runs, for reports (e.g. "vllm.vllm_flash_attn fa_version=3")."""
@@ -99,14 +114,22 @@ def load_module(name: str) -> ModuleType | None:
         return None
 
 
-def select(block_size: int) -> tuple[Flavor, ModuleType] | str:
-    """The first importable build whose page-size rule `block_size` meets, or why there is none."""
+def select(block_size: int, fp8: bool = False) -> tuple[Flavor, ModuleType] | str:
+    """The first importable build whose page-size rule `block_size` meets (and, for an FP8 pool, that
+    reads FP8 caches), or why there is none."""
     loaded = [(f, m) for f in FLAVORS if (m := load_module(f.module)) is not None]
     if not loaded:
         return (
             "kernel='flash_attn' needs flash_attn (flash-attn 2), flash_attn_interface (flash-attn 3) or "
             "vllm.vllm_flash_attn; none is importable: pip install flash-attn on a CUDA machine, or use kernel='triton'"
         )
+    if fp8:
+        loaded = [(f, m) for f, m in loaded if f.reads_fp8(m)]
+        if not loaded:
+            return (
+                "an FP8 pool needs flash-attn 3 (flash_attn_interface, or vllm.vllm_flash_attn with FA3 on Hopper): "
+                "flash-attn 2 has no FP8 KV cache (no q/k/v_descale); use kernel='triton' or kv_dtype=None"
+            )
     for flavor, mod in loaded:
         if block_size % flavor.page_multiple == 0:
             return flavor, mod
@@ -139,7 +162,12 @@ def unavailable_reason(query: torch.Tensor, kv_pool: torch.Tensor, visibility: s
             "and bottom-right causal): pass visibility='full' or 'causal' if the layout is one of them, "
             "else use kernel='triton'"
         )
-    picked = select(kv_pool.shape[2])
+    if kv_pool.dtype == torch.float8_e5m2:
+        return (
+            "flash-attn reads float8_e4m3fn caches only (vLLM refuses fp8_e5m2 for flash-attn too): use "
+            "kv_dtype=torch.float8_e4m3fn or kernel='triton'"
+        )
+    picked = select(kv_pool.shape[2], is_fp8(kv_pool.dtype))
     return picked if isinstance(picked, str) else None
 
 
@@ -151,12 +179,31 @@ def attend(
     kv_visible_end: torch.Tensor,
     scale: float,
     visibility: str,
+    row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend with flash-attn over the pool (the dispatcher wrote the new K/V), zero the padded queries."""
-    flavor, mod = select(kv_pool.shape[2])
+    flavor, mod = select(kv_pool.shape[2], row_scales is not None)
     causal = visibility == "causal"
+    q, descales = query.contiguous(), {}
+    if row_scales is not None:
+        q, q_descale = quantize_query(q, kv_pool.shape[3], kv_pool.dtype)
+        descales = dict(q_descale=q_descale, k_descale=row_scales[0], v_descale=row_scales[1])
     # flash-attn checks that seqused_k/cache_seqlens are contiguous and block_table has a unit last
     # stride (flash_api.cpp); the op accepts any strides, so copy where needed (a no-op for our buffers).
-    out = flavor.call(mod, query.contiguous(), kv_pool[0], kv_pool[1], block_table.contiguous(), seq_lens.contiguous(),
-                      scale, causal)
-    return zero_padded_queries(out, seq_lens, kv_visible_end)
+    out = flavor.call(mod, q, kv_pool[0], kv_pool[1], block_table.contiguous(), seq_lens.contiguous(),
+                      scale, causal, **descales)
+    return zero_padded_queries(out.to(query.dtype), seq_lens, kv_visible_end)
+
+
+def quantize_query(query: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA3 wants q in the caches' FP8 dtype: a dynamic scale per (row, kv head) from the query's own
+    absolute maximum (over its tokens and the kv head's query heads), computed on the device.
+
+    Returns the FP8 query ``[R, T, Hq, D]`` and ``q_descale`` ``[R, Hkv]`` float32.
+    """
+    R, T, Hq, D = query.shape
+    group = Hq // num_kv_heads
+    amax = query.abs().view(R, T, num_kv_heads, group, D).amax(dim=(1, 3, 4)).to(torch.float32)
+    q_scale = torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
+    per_head = q_scale.repeat_interleave(group, 1)[:, None, :, None]
+    return quantize(query, per_head, dtype), q_scale

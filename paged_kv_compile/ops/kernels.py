@@ -1,7 +1,8 @@
 """The attention kernels behind the paged ops: a small protocol and a registry.
 
-A kernel is a module with ``write_kv(kv_pool, key, value, slot_mapping)`` and ``attend(query, kv_pool,
-block_table, seq_lens, kv_visible_end, scale, visibility)`` (`ops/reference.py` is the oracle). Its
+A kernel is a module with ``write_kv(kv_pool, key, value, slot_mapping, row_scales=None)`` and
+``attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, visibility, row_scales=None)``
+(`ops/reference.py` is the oracle; ``row_scales`` ``[2, R, Hkv]`` comes with FP8 pools, ops/fp8.py). Its
 registry entry says when it cannot run (missing package, device, page size) without importing it, how to
 load it, and on which devices `kernel="auto"` prefers it. The dispatcher (`ops/write_attend.py`) only
 looks kernels up here.
@@ -22,10 +23,11 @@ from . import flash_attn, npu
 
 class KernelModule(Protocol):
     def write_kv(self, kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None: ...
+                 slot_mapping: torch.Tensor, row_scales: torch.Tensor | None = None) -> None: ...
 
     def attend(self, query: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               kv_visible_end: torch.Tensor, scale: float, visibility: str) -> torch.Tensor: ...
+               kv_visible_end: torch.Tensor, scale: float, visibility: str,
+               row_scales: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,11 @@ def _triton_unavailable_reason(query: torch.Tensor, kv_pool: torch.Tensor, visib
         )
     if device.type not in ("cpu", "cuda"):
         return f"kernel='triton' runs on CUDA tensors (or CPU under TRITON_INTERPRET=1), got {device.type}"
+    if device.type == "cuda" and kv_pool.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(device) < (8, 9):
+        return (
+            "kernel='triton' with a float8_e4m3fn pool needs a GPU of compute capability >= 8.9 (Ada, Hopper), "
+            "where Triton has the e4m3 type: use kv_dtype=torch.float8_e5m2 or kernel='reference'"
+        )
     return None
 
 

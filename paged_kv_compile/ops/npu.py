@@ -83,6 +83,12 @@ def unavailable_reason(query: torch.Tensor, kv_pool: torch.Tensor, visibility: s
         return f"kernel='npu' (torch_npu) runs on Ascend NPU tensors, got {query.device.type}; use kernel='reference'"
     if load_module() is None:
         return "kernel='npu' needs torch_npu, which is not importable: install torch-npu matching torch (with CANN)"
+    if kv_pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return (
+            f"npu_fused_infer_attention_score has no {kv_pool.dtype} key/value: its quantized caches are int8 "
+            "with key_antiquant_scale/value_antiquant_scale (Ascend/op-plugin docs/context/"
+            "torch_npu-npu_fused_infer_attention_score.md); use kv_dtype=None or kernel='reference'"
+        )
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"npu_fused_infer_attention_score takes float16/bfloat16, got {query.dtype}; use kernel='reference'"
     rule = page_size_rule(kv_pool.shape[2], query.shape[1], query.shape[3])
@@ -99,8 +105,11 @@ def attend(
     kv_visible_end: torch.Tensor,
     scale: float,
     visibility: str,
+    row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attend with the fused NPU kernel (the dispatcher wrote the new K/V), zero the padded queries."""
+    """Attend with the fused NPU kernel (the dispatcher wrote the new K/V), zero the padded queries.
+
+    FP8 pools are refused in `unavailable_reason`, so `row_scales` is always None here."""
     torch_npu = load_module()
     R, T, Hq, D = query.shape
     _, N, B, Hkv, _ = kv_pool.shape

@@ -11,21 +11,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import dequantize, quantize
+
 
 #: On CPU tensors, read the lengths on the host and attend over the used span only (see
 #: `_attend_used_span`). Tests turn it off to exercise the device path (full table, mask) on the CPU.
 HOST_LENGTHS_ON_CPU = True
 
 
-def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             row_scales: torch.Tensor | None = None) -> None:
     """Copy key/value ``[R, T, Hkv, D]`` into the pool's flat slots; tokens with slot -1 write nothing.
+
+    FP8 pools: each token is quantized with its row's scales ``row_scales [2, R, Hkv]`` (ops/fp8.py).
 
     Without a host sync: a -1 token is redirected to the first valid token of the call and writes that
     token's own row again (duplicates of identical values are harmless). If no token is valid, every
     token writes slot 0's current content back onto itself.
     """
     _, N, B, H, D = kv_pool.shape
-    flat = kv_pool.view(2, N * B, H, D)
+    # FP8 pools are moved as their bytes: index_copy_/where have no float8 kernels.
+    flat = (kv_pool if row_scales is None else kv_pool.view(torch.uint8)).view(2, N * B, H, D)
     slots = slot_mapping.reshape(-1)
     valid = slots >= 0
     first = torch.argmax(valid.to(torch.int32))  # first valid token, 0 when there is none
@@ -33,8 +39,11 @@ def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
     target = slots.index_select(0, src)
     any_valid = (target >= 0).view(-1, 1, 1)
     target = target.clamp(min=0)
-    for half, new in ((flat[0], key), (flat[1], value)):
+    for i, (half, new) in enumerate(((flat[0], key), (flat[1], value))):
         rows = new.reshape(-1, H, D).index_select(0, src)
+        if row_scales is not None:
+            scale = row_scales[i].index_select(0, src // key.shape[1])  # [tokens, Hkv]
+            rows = quantize(rows, scale.unsqueeze(-1), kv_pool.dtype).view(torch.uint8)
         half.index_copy_(0, target, torch.where(any_valid, rows, half.index_select(0, target)))
 
 
@@ -54,6 +63,20 @@ def zero_padded_queries(attn: torch.Tensor, seq_lens: torch.Tensor, kv_visible_e
     return out.copy_(attn).masked_fill_(empty[:, :, None, None], 0)
 
 
+def _gather(kv_pool: torch.Tensor, block_ids: torch.Tensor, row_scales: torch.Tensor | None) -> torch.Tensor:
+    """The blocks ``block_ids`` of both halves; FP8 pools gathered as bytes (index_select has no float8 kernel)."""
+    if row_scales is None:
+        return kv_pool.index_select(1, block_ids)
+    return kv_pool.view(torch.uint8).index_select(1, block_ids).view(kv_pool.dtype)
+
+
+def _dequantized(kv: torch.Tensor, row_scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered K/V ``[2, R, L, Hkv, D]`` as `dtype`: FP8 blocks times their row's scales, others as they are."""
+    if row_scales is None:
+        return kv
+    return dequantize(kv, row_scales[:, :, None, :, None], dtype)
+
+
 def attend(
     query: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -62,17 +85,20 @@ def attend(
     kv_visible_end: torch.Tensor,
     scale: float,
     visibility: str = "general",
+    row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [R, T, Hq, D]`` over each row's blocks; zeros for queries that see nothing.
 
-    `visibility` is the vendor kernels' hint; this kernel computes any layout and ignores it.
+    `visibility` is the vendor kernels' hint; this kernel computes any layout and ignores it. FP8
+    pools are dequantized to the query's dtype with ``row_scales [2, R, Hkv]``.
     """
     R, T, Hq, D = query.shape
     _, _, B, Hkv, _ = kv_pool.shape
     if HOST_LENGTHS_ON_CPU and query.device.type == "cpu" and R:
-        return _attend_used_span(query, kv_pool, block_table, seq_lens, kv_visible_end, scale)
+        return _attend_used_span(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, row_scales)
     M = block_table.shape[1]
-    kv = kv_pool.index_select(1, block_table.reshape(-1)).view(2, R, M * B, Hkv, D).transpose(2, 3)
+    kv = _gather(kv_pool, block_table.reshape(-1), row_scales).view(2, R, M * B, Hkv, D)
+    kv = _dequantized(kv, row_scales, query.dtype).transpose(2, 3)
     mask = visible_mask(seq_lens, kv_visible_end, M * B)
     # A query that sees nothing gets key 0 as a dummy (softmax stays finite); its output is zeroed below.
     mask[:, :, 0] |= ~mask.any(-1)
@@ -89,6 +115,7 @@ def _attend_used_span(
     seq_lens: torch.Tensor,
     kv_visible_end: torch.Tensor,
     scale: float,
+    row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CPU path: lengths are host values here, so gather only the blocks in use, and drop the mask
     when every query sees its whole row (DreamZero's window) so SDPA can take its fused kernel.
@@ -102,8 +129,8 @@ def _attend_used_span(
     if length == 0:
         return query.new_zeros(query.shape)
     blocks = -(-length // B)
-    kv = kv_pool.index_select(1, block_table[:, :blocks].reshape(-1)).view(2, R, blocks * B, Hkv, D)
-    kv = kv[:, :, :length].transpose(2, 3)
+    kv = _gather(kv_pool, block_table[:, :blocks].reshape(-1), row_scales).view(2, R, blocks * B, Hkv, D)
+    kv = _dequantized(kv[:, :, :length], row_scales, query.dtype).transpose(2, 3)
     full = bool((seq_lens == length).all()) and bool((kv_visible_end == length).all())
     mask = None
     if not full:

@@ -6,7 +6,9 @@ loaded once per group. It walks the row's logical keys in tiles of BLOCK_N posit
 resolved through the block table (any block size works), up to the largest visible end in the tile.
 Queries that see nothing keep a zero accumulator and store exact zeros. No value is read on the host.
 Dots use input_precision="ieee": fp32 pools then match the reference to 1e-5 instead of TF32's 1e-3;
-it changes nothing for fp16/bf16 operands.
+it changes nothing for fp16/bf16 operands. FP8 pools (HAS_SCALES): the store quantizes with the row's
+scales exactly as ops/fp8.py does (float32 division, saturation, cast); attention dequantizes each
+loaded tile to the query's dtype (float32 product) before the dots.
 
 Imported only when kernel="triton" is selected. On CPU it needs TRITON_INTERPRET=1 before this
 module is first imported (the interpreter is chosen when the kernels are decorated).
@@ -23,13 +25,25 @@ from ..errors import KernelUnavailableError
 
 
 @triton.jit
+def _to_fp8_grid(x, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """float32 `x` (already saturated) rounded to nearest-even on the FP8 grid (MBITS mantissa bits, EMIN
+    the smallest normal exponent), so the cast that follows is exact. The cast alone is not enough:
+    Triton's interpreter rounds 31.49 to 16 in float8_e4m3fn (a lost mantissa carry)."""
+    e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+    quantum = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)  # 2 ** (e - MBITS), exact
+    y = x / quantum  # exact: a power of two; |y| < 2 ** (MBITS + 1)
+    return ((y + 12582912.0) - 12582912.0) * quantum  # 1.5 * 2**23: float32 addition rounds y to an integer
+
+
+@triton.jit
 def _store_kv_kernel(
-    K, V, Pool, Slots,
+    K, V, Pool, Slots, Scales,
     T, half_stride, slot_stride, pool_h_stride,
     s_kr, s_kt, s_kh, s_kd,
     s_vr, s_vt, s_vh, s_vd,
-    s_sr, s_st,
+    s_sr, s_st, s_c2, s_cr,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SCALES: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
 ):
     token = tl.program_id(0)
     r = (token // T).to(tl.int64)
@@ -44,19 +58,24 @@ def _store_kv_kernel(
     dst = Pool + slot * slot_stride + h * pool_h_stride + d
     k = tl.load(K + r * s_kr + t * s_kt + h * s_kh + d * s_kd, mask=mask)
     v = tl.load(V + r * s_vr + t * s_vt + h * s_vh + d * s_vd, mask=mask)
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + half_stride, v, mask=mask)
+    if HAS_SCALES:  # Scales: the rows' scales [2, R, Hkv], unit stride over heads
+        ks = tl.load(Scales + r * s_cr + h, mask=h < H, other=1.0)
+        vs = tl.load(Scales + s_c2 + r * s_cr + h, mask=h < H, other=1.0)
+        k = _to_fp8_grid(tl.clamp(tl.div_rn(k.to(tl.float32), ks), -FP8_MAX, FP8_MAX), MBITS, EMIN)
+        v = _to_fp8_grid(tl.clamp(tl.div_rn(v.to(tl.float32), vs), -FP8_MAX, FP8_MAX), MBITS, EMIN)
+    tl.store(dst, k.to(Pool.dtype.element_ty), mask=mask)
+    tl.store(dst + half_stride, v.to(Pool.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _attend_kernel(
-    Q, Pool, Out, Table, SeqLens, VisEnd, scale,
+    Q, Pool, Out, Table, SeqLens, VisEnd, Scales, scale,
     T, M, half_stride, slot_stride, pool_h_stride,
     s_qr, s_qt, s_qh, s_qd,
     s_or, s_ot, s_oh,
-    s_tr, s_tm, s_seq, s_vr, s_vt,
+    s_tr, s_tm, s_seq, s_vr, s_vt, s_c2, s_cr,
     B: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     pid = tl.program_id(0)
@@ -77,6 +96,9 @@ def _attend_kernel(
     end = tl.load(VisEnd + r * s_vr + t * s_vt, mask=row_ok, other=0)
     end = tl.minimum(end, seq)
     kv_end = tl.minimum(tl.max(end, 0), M * B)
+    if HAS_SCALES:
+        k_scale = tl.load(Scales + r * s_cr + kvh)
+        v_scale = tl.load(Scales + s_c2 + r * s_cr + kvh)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -88,6 +110,8 @@ def _attend_kernel(
         addr = (block * B + p % B)[:, None] * slot_stride + kvh * pool_h_stride + d[None, :]
         kv_mask = p_ok[:, None] & d_ok[None, :]
         k = tl.load(Pool + addr, mask=kv_mask, other=0.0)
+        if HAS_SCALES:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         s = tl.where(p[None, :] < end[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -96,6 +120,8 @@ def _attend_kernel(
         probs = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(probs, 1)
         v = tl.load(Pool + half_stride + addr, mask=kv_mask, other=0.0)
+        if HAS_SCALES:
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -111,18 +137,37 @@ def _check_device(t: torch.Tensor) -> None:
         )
 
 
-def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value ``[R, T, Hkv, D]`` at their slots (any strides); slot -1 stores nothing."""
+#: (mantissa bits, smallest normal exponent) of the FP8 formats, for _to_fp8_grid.
+_FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+
+
+def _scales_args(kv_pool: torch.Tensor, row_scales: torch.Tensor | None) -> tuple:
+    """(scales tensor, its half and row strides, HAS_SCALES, FP8_MAX, MBITS, EMIN); a dummy pointer when unscaled."""
+    if row_scales is None:
+        return kv_pool, 0, 0, False, 0.0, 0, 0
+    row_scales = row_scales.contiguous()
+    return (row_scales, row_scales.stride(0), row_scales.stride(1), True, torch.finfo(kv_pool.dtype).max,
+            *_FP8_GRID[kv_pool.dtype])
+
+
+def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             row_scales: torch.Tensor | None = None) -> None:
+    """Store key/value ``[R, T, Hkv, D]`` at their slots (any strides); slot -1 stores nothing.
+
+    FP8 pools: quantized with the rows' scales ``row_scales [2, R, Hkv]``.
+    """
     _check_device(kv_pool)
     R, T, H, D = key.shape
     if R * T == 0:
         return
     s = kv_pool.stride()
+    scales, c2, cr, has_scales, fp8_max, mbits, emin = _scales_args(kv_pool, row_scales)
     _store_kv_kernel[(R * T,)](
-        key, value, kv_pool, slot_mapping,
+        key, value, kv_pool, slot_mapping, scales,
         T, s[0], s[2], s[3],
-        *key.stride(), *value.stride(), *slot_mapping.stride(),
+        *key.stride(), *value.stride(), *slot_mapping.stride(), c2, cr,
         H=H, D=D, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+        HAS_SCALES=has_scales, FP8_MAX=fp8_max, MBITS=mbits, EMIN=emin,
     )
 
 
@@ -134,10 +179,12 @@ def attend(
     kv_visible_end: torch.Tensor,
     scale: float,
     visibility: str = "general",
+    row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``query [R, T, Hq, D]``; returns a contiguous ``[R, T, Hq, D]`` tensor.
 
     Any visibility layout is computed from ``kv_visible_end``; the `visibility` hint is ignored.
+    FP8 pools are dequantized with ``row_scales [2, R, Hkv]``.
     """
     _check_device(query)
     R, T, Hq, D = query.shape
@@ -151,12 +198,13 @@ def attend(
     BLOCK_T = max(min(triton.next_power_of_2(T), 64 // G_PAD), 16 // G_PAD, 1)
     s = kv_pool.stride()
     grid = (R * triton.cdiv(T, BLOCK_T), Hkv)
+    scales, c2, cr, has_scales, *_ = _scales_args(kv_pool, row_scales)
     _attend_kernel[grid](
-        query, kv_pool, out, block_table, seq_lens, kv_visible_end, scale,
+        query, kv_pool, out, block_table, seq_lens, kv_visible_end, scales, scale,
         T, block_table.shape[1], s[0], s[2], s[3],
         *query.stride(), *out.stride()[:3],
-        *block_table.stride(), *seq_lens.stride(), *kv_visible_end.stride(),
+        *block_table.stride(), *seq_lens.stride(), *kv_visible_end.stride(), c2, cr,
         B=B, G=G, G_PAD=G_PAD, D=D, BLOCK_T=BLOCK_T, BLOCK_N=32,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SCALES=has_scales,
     )
     return out

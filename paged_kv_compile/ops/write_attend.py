@@ -10,6 +10,10 @@ check without a host sync: "full" (every query that sees anything sees [0, seq_l
 (bottom-right causal: query t sees [0, seq_len - T + t + 1)), or "general" (anything). The reference
 and triton kernels read ``kv_visible_end`` and ignore the hint; flash_attn and npu trust it, so a wrong
 hint on their devices gives wrong attention. With CPU tensors and ``CHECK_VALUES`` it is verified.
+
+``kv_scales`` (``KVPool.scales``, float32 ``[2, N, Hkv]``) goes with an FP8 pool and only with one:
+the op quantizes the new K/V into the pool and dequantizes what attention reads (ops/fp8.py). The
+scales are read, never written, so the pool stays the one mutated argument.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from ..config import KERNELS
 from ..errors import KernelUnavailableError, OpInputError
 from . import kernels
+from .fp8 import is_fp8, row_scales
 
 #: Value-range checks read tensors on the host. They run only when the inputs are on the CPU; a caller
 #: that wants no host work even there (benchmarks) sets this to False.
@@ -52,6 +57,7 @@ def validate_inputs(
     kv_visible_end: torch.Tensor,
     kernel: str = "auto",
     visibility: str = "general",
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Shape, dtype, device and option checks: no host sync, so they also run on fake tensors.
 
@@ -70,9 +76,10 @@ def validate_inputs(
         rank, layout = _LAYOUTS[name]
         if t.dim() != rank:
             raise OpInputError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
-    if not query.dtype.is_floating_point:
-        raise OpInputError(f"query must be a floating dtype, got {query.dtype}")
-    for name in ("key", "value", "kv_pool"):
+    if not query.dtype.is_floating_point or is_fp8(query.dtype):
+        raise OpInputError(f"query must be a floating dtype (a compute dtype, not FP8), got {query.dtype}")
+    _check_scales(kv_pool, kv_scales, query.device)
+    for name in ("key", "value") + (() if is_fp8(kv_pool.dtype) else ("kv_pool",)):
         if name in args and args[name].dtype != query.dtype:
             raise OpInputError(
                 f"{name} is {args[name].dtype} but query is {query.dtype}; query, key, value and kv_pool must "
@@ -87,6 +94,26 @@ def validate_inputs(
                 f"{name} is on {t.device} but query is on {query.device}; move every op input to one device"
             )
     _check_shapes(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end)
+
+
+def _check_scales(kv_pool: torch.Tensor, kv_scales: torch.Tensor | None, device: torch.device) -> None:
+    if not is_fp8(kv_pool.dtype):
+        if kv_scales is not None:
+            raise OpInputError(
+                f"kv_scales were given but kv_pool stores {kv_pool.dtype}: scales go with an FP8 pool only; "
+                "pass kv_scales=None"
+            )
+        return
+    want = (2, kv_pool.shape[1], kv_pool.shape[3]) if kv_pool.dim() == 5 else None
+    if kv_scales is None:
+        raise OpInputError(
+            f"kv_pool stores {kv_pool.dtype} and needs kv_scales, float32 [2, N, Hkv] = {want}: pass KVPool.scales"
+        )
+    if kv_scales.dtype != torch.float32 or tuple(kv_scales.shape) != want or kv_scales.device != device:
+        raise OpInputError(
+            f"kv_scales must be float32 {want} [2, N, Hkv] on {device}, got {kv_scales.dtype} "
+            f"{tuple(kv_scales.shape)} on {kv_scales.device}: pass KVPool.scales"
+        )
 
 
 def _check_shapes(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end) -> None:
@@ -182,15 +209,19 @@ def resolve_kernel(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visi
     return kernel
 
 
-def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility):
-    validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility)
+def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
+         kv_scales):
+    validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility,
+                    kv_scales)
     name = resolve_kernel(kernel, query, kv_pool, visibility)
     if CHECK_VALUES and query.device.type == "cpu":
         check_values(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility)
     module = kernels.get(name).load()  # a kernel module: write_kv(...) and attend(..., visibility)
+    # row_scales only for FP8 pools: a kernel that never serves one need not take the keyword.
+    scaled = {} if kv_scales is None else {"row_scales": row_scales(kv_scales, block_table)}
     if key is not None:
-        module.write_kv(kv_pool, key, value, slot_mapping)
-    return module.attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, visibility)
+        module.write_kv(kv_pool, key, value, slot_mapping, **scaled)
+    return module.attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, visibility, **scaled)
 
 
 @torch.library.custom_op("paged_kv::write_attend", mutates_args=("kv_pool",))
@@ -206,17 +237,20 @@ def write_attend(
     scale: float,
     kernel: str = "auto",
     visibility: str = "general",
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write key/value at their slots (skipping -1), then attend each query over its row's block table."""
     return _run(
-        query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility
+        query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
+        kv_scales,
     )
 
 
 @write_attend.register_fake
 def _write_attend_fake(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale,
-                       kernel="auto", visibility="general"):
-    validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility)
+                       kernel="auto", visibility="general", kv_scales=None):
+    validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility,
+                    kv_scales)
     return query.new_empty(query.shape)
 
 
@@ -230,12 +264,16 @@ def attend(
     scale: float,
     kernel: str = "auto",
     visibility: str = "general",
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Read-only twin of write_attend for static regions: attend without writing."""
-    return _run(query, None, None, kv_pool, None, block_table, seq_lens, kv_visible_end, scale, kernel, visibility)
+    return _run(query, None, None, kv_pool, None, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
+                kv_scales)
 
 
 @attend.register_fake
-def _attend_fake(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, kernel="auto", visibility="general"):
-    validate_inputs(query, None, None, kv_pool, None, block_table, seq_lens, kv_visible_end, kernel, visibility)
+def _attend_fake(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, kernel="auto", visibility="general",
+                 kv_scales=None):
+    validate_inputs(query, None, None, kv_pool, None, block_table, seq_lens, kv_visible_end, kernel, visibility,
+                    kv_scales)
     return query.new_empty(query.shape)
