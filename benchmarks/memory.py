@@ -48,6 +48,7 @@ from paged_kv_compile.allocator import BuiltinAllocator
 from paged_kv_compile.config import PagedKVConfig
 from paged_kv_compile.driver import PagedHooks
 from paged_kv_compile.errors import CapacityError, ConfigError
+from paged_kv_compile.families.dreamzero import session_blocks_per_row
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B
 from paged_kv_compile.models.hunyuan_image3 import HUNYUAN_IMAGE3
 from paged_kv_compile.pool import KVPool
@@ -213,6 +214,7 @@ def real_sizes(budget_gib: float, sessions=(1, 2, 4, 8), requests=(1, 8, 32, 128
     dtype = torch.bfloat16
     dz = DREAMZERO_14B
     dz_dense = dreamzero_dense_bytes(dz, dtype)
+    spec = DreamZeroSpec.from_model_config(dz)
     one = paged_dreamzero_probe(dz, dtype, blocks_per_layer=4 * _ceil(dz.max_attention_size, REAL_BLOCK),
                                 max_sessions=1)
     held, inflight, fixed = one["session_held_bytes"], one["session_inflight_bytes"], one["scratch_pad_bytes"]
@@ -222,8 +224,8 @@ def real_sizes(budget_gib: float, sessions=(1, 2, 4, 8), requests=(1, 8, 32, 128
     dz_rows = []
     for n in sessions:
         # A pool just big enough: every session at its longest history, one of them mid-commit; the
-        # scheduler also admits a session only if a full window of both rows could fit the whole pool.
-        blocks = max(((n - 1) * held + inflight) // per_block_layers, 2 * _ceil(dz.max_attention_size, REAL_BLOCK))
+        # scheduler also admits a session only if its loop's own peak (both rows) fits the whole pool.
+        blocks = max(((n - 1) * held + inflight) // per_block_layers, 2 * session_blocks_per_row(spec, REAL_BLOCK))
         probe = paged_dreamzero_probe(dz, dtype, blocks_per_layer=max(blocks, 1), max_sessions=n)
         dz_rows.append({"sessions": n, "dense_held_gib": n * dz_dense["held"] / GiB,
                         "dense_peak_gib": ((n - 1) * dz_dense["held"] + dz_dense["peak"]) / GiB,
@@ -268,6 +270,7 @@ def real_sizes(budget_gib: float, sessions=(1, 2, 4, 8), requests=(1, 8, 32, 128
             "dense_peak_frames_per_row": dz_dense["peak_tokens_per_row"] // dz.frame_seqlen,
             "paged_session_held_bytes": held, "paged_session_inflight_bytes": inflight,
             "paged_scratch_pad_bytes": fixed, "rows": dz_rows,
+            "one_session_pool_over_held": dz_rows[0]["paged_pool_gib"] * GiB / held if sessions[0] == 1 else None,
         },
         "hunyuan": {
             "config": f"HUNYUAN_IMAGE3: 32 layers, 32/8 heads x 128, target 4098 tokens, prefix capacity "
@@ -486,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     real = result["real"]
     print(f"\n{real['dreamzero']['config']}, {real['dtype']}")
     print(format_table(dz, DZ_COLUMNS))
+    ratio = real["dreamzero"]["one_session_pool_over_held"]
+    if ratio is not None:
+        print(f"one session: paged pool / KV held = {ratio:.3f} (admission sizes it by its loop's own peak)")
     print(f"\n{real['hunyuan']['config']}, {real['dtype']}")
     print(format_table(hy, HY_COLUMNS))
     fit = real["fit"]

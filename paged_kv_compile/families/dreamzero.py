@@ -37,6 +37,10 @@ class DreamZeroSpec:
       first commit: first_commit_frames (None: chunk_frames), commit registers; the commit of an empty window.
     Our reference model commits with registers and whole chunks; vllm-omni's pipeline commits without them and
     starts every window with a 1-frame commit (`from_vllm_omni`).
+
+    reset_frames: the loop resets the window when its start frame reaches this many frames, so a chunk that
+    ends there is never committed (`models/dreamzero.py: dreamzero_steps`); None: the loop never resets and
+    the window slides. Admission sizes a session by it (`session_blocks_per_row`).
     """
 
     frame_seqlen: int
@@ -46,6 +50,7 @@ class DreamZeroSpec:
     action_tokens: int = 0
     first_commit_frames: int | None = None
     commit_action_tokens: int | None = None
+    reset_frames: int | None = None
 
     def phase(self, kind: str, *, first: bool = False) -> tuple[int, int]:
         """(windowed tokens, register tokens) of a forward of `kind` ("commit"/"denoise")."""
@@ -103,6 +108,7 @@ class DreamZeroSpec:
             window_frames=cfg.window_frames,
             sink_frames=cfg.sink_size,
             action_tokens=cfg.action_register_length,
+            reset_frames=cfg.window_reset_frames,
         )
 
 
@@ -143,6 +149,38 @@ def _kept_blocks(spec: DreamZeroSpec, block_size: int) -> tuple[int, int]:
     return spec.sink_tokens // block_size, (spec.window_tokens - spec.sink_tokens - spec.chunk_tokens) // block_size
 
 
+def _kept(spec: DreamZeroSpec, held: int, block_size: int) -> int:
+    """How many of `held` history blocks (per row) a finished commit keeps: the sink and the most recent rest."""
+    sink_blocks, keep = _kept_blocks(spec, block_size)
+    sink = min(held, sink_blocks)
+    return sink + min(held - sink, max(keep, 0))
+
+
+@functools.lru_cache(maxsize=256)
+def session_blocks_per_row(spec: DreamZeroSpec, block_size: int) -> int:
+    """The most managed blocks one row of a session ever holds: its real need, what admission checks.
+
+    Follows the loop's commits (`plan`/`finish` below) on block counts: a commit holds the row's history plus
+    its new blocks until it finishes and evicts. With `reset_frames` only the commits before the reset run (a
+    chunk ending at the reset frame is never committed), so DreamZero-14B (window 21 frames, reset at 20, chunk
+    2) needs 18 frames per row, not the 21 of a full window; without a reset the window slides and the
+    steady state (history full, one chunk in flight) is reached within `window_frames` commits.
+    """
+    F, B = spec.frame_seqlen, block_size
+    held = peak = frame = 0
+    first = True
+    for _ in range(spec.window_frames + 2):  # every commit adds >= 1 frame: steady by then
+        frames = spec.first_commit_frames if first and spec.first_commit_frames is not None else spec.chunk_frames
+        if spec.reset_frames is not None and frame + frames >= spec.reset_frames:
+            break
+        new = frames * F // B
+        peak = max(peak, held + new)
+        held = _kept(spec, held + new, B)
+        frame += frames
+        first = False
+    return peak
+
+
 def _visible_history(spec: DreamZeroSpec, row: list[int], block_size: int, windowed: int) -> list[int]:
     """What a forward adding `windowed` tokens to the window sees: the sink, then the most recent rest."""
     sink = min(len(row), spec.sink_tokens // block_size)
@@ -175,10 +213,12 @@ class DreamZeroFamily:
                 f"the window ({spec.window_frames} frames) is smaller than a chunk ({spec.chunk_frames} frames) "
                 f"plus the sink ({spec.sink_frames} frames); enlarge local_attn_size or shrink the chunk/sink"
             )
-        per_row = spec.window_tokens // B
+        per_row = session_blocks_per_row(spec, B)
         if rows * per_row > blocks.num_blocks:
+            need = ("one full window" if spec.reset_frames is None
+                    else f"its loop (window reset at frame {spec.reset_frames})")
             raise CapacityError(
-                f"one full window needs {rows * per_row} blocks per layer ({rows} rows x {per_row}) but the whole "
+                f"{need} needs {rows * per_row} blocks per layer ({rows} rows x {per_row}) but the whole "
                 f"pool has {blocks.num_blocks}: it can never fit; raise the pool budget"
             )
         blocks.check_scratch(ceil_div(spec.tokens_per_forward, B))
@@ -202,6 +242,8 @@ class DreamZeroFamily:
         run = list(range(owner.num_rows)) if branch is None else [branch]
         n, a = spec.phase(kind, first=commit and all(not owner.rows[r] for r in run))
         B = blocks.block_size
+        if commit:
+            self._check_within_admission(owner, run, n // B, B)
         taken = blocks.allocate_rows([n // B] * len(run)) if commit else []
         new_blocks: list[list[int]] = [[] for _ in owner.rows] if commit else []
         for r, ids in zip(run, taken):
@@ -216,6 +258,19 @@ class DreamZeroFamily:
         key = (owner.owner_id, kind, owner.version, branch) if not commit else ()
         return ForwardPlan(owner.owner_id, kind, layouts, n + a, spec.window_tokens, new_blocks, key, keeps_kv=commit,
                            phase={"chunk_tokens": n, "action_tokens": a})
+
+    @staticmethod
+    def _check_within_admission(owner: Owner, run: list[int], new: int, block_size: int) -> None:
+        """A commit may not make a row hold more than admission sized the session for (its loop's real need)."""
+        limit = session_blocks_per_row(owner.spec, block_size)
+        for r in run:
+            if len(owner.rows[r]) + new > limit:
+                raise RequestError(
+                    f"this commit would make row {r} of session {owner.owner_id!r} hold {len(owner.rows[r]) + new} "
+                    f"blocks per layer, beyond the {limit} its admission sized it for: its spec says the loop resets "
+                    f"the window at frame {owner.spec.reset_frames}. Call reset_window when the loop reaches that "
+                    "frame, or open the session with reset_frames=None (a sliding window)"
+                )
 
     @staticmethod
     def _row(spec: DreamZeroSpec, blocks: BlockSource, i: int, row: list[int], new: list[int], n: int,
