@@ -168,8 +168,8 @@ def session_blocks_per_row(spec: DreamZeroSpec, block_size: int) -> int:
     """
     F, B = spec.frame_seqlen, block_size
     held = peak = frame = 0
-    first = True
     for _ in range(spec.window_frames + 2):  # every commit adds >= 1 frame: steady by then
+        first = held == 0  # as `plan` decides: a commit into an empty window is a first commit
         frames = spec.first_commit_frames if first and spec.first_commit_frames is not None else spec.chunk_frames
         if spec.reset_frames is not None and frame + frames >= spec.reset_frames:
             break
@@ -177,7 +177,6 @@ def session_blocks_per_row(spec: DreamZeroSpec, block_size: int) -> int:
         peak = max(peak, held + new)
         held = _kept(spec, held + new, B)
         frame += frames
-        first = False
     return peak
 
 
