@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from . import binding
+from . import binding, layout
 from .config import INNER_COMPILERS, KERNELS, Bucket
 from .errors import BindingError, ConfigError, RequestError
 from .passes.rewrite import PassResult, rewrite
@@ -153,6 +153,34 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     return _paged_callable(compiled, result, bucket, tuple(runtime.pool.tensor.shape), masks)
 
 
+def _check_write_positions(active, writes: list[tuple[torch.Tensor, int | None]], seen: dict) -> None:
+    """The dense columns a static-cache site writes (its position_ids) must be the layout's (else refused).
+
+    Checked on the host once per forward and input tensor (every layer reads the same position_ids): `seen`
+    remembers what was checked in the runtime's current forward (its generation)."""
+    plan = active.plan
+    if seen.get("generation") != (id(active), active.generation):
+        seen.clear()
+        seen["generation"] = (id(active), active.generation)
+    for positions, row in writes:
+        key = (positions.data_ptr(), positions._version, tuple(positions.shape), positions.stride(), row)
+        if key in seen:
+            continue
+        for r in range(len(plan.rows)) if row is None else [row]:
+            if r >= len(plan.rows):
+                raise RequestError(f"a static-cache write for row {r} but the forward has {len(plan.rows)} rows")
+            keys = plan.key_positions[r] if plan.key_positions else None
+            why = layout.write_positions_problem(plan.rows[r], keys, positions)
+            if why:
+                raise RequestError(
+                    f"row {r}: the model writes its new keys/values into its static cache at position_ids that "
+                    f"disagree with the layout read from the prefill mask ({why}); the forward was refused. Pass the "
+                    "position_ids the pipeline derives from that mask (prefill: arange(S); steps: the target's "
+                    "prefill positions) and prefix_capacity = the static cache length"
+                )
+        seen[key] = True
+
+
 def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
                     mask_inputs: list[tuple[int, Callable]]) -> Callable:
     """The function dynamo calls: appends the pool and the calling layer's metadata views.
@@ -160,6 +188,8 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
     A plain function (not a callable object), so tools that read `__code__` (depyf) can name it.
     """
     weight_inputs = [s.weight_input for s in result.sites]
+    write_checks = [check for s in result.sites for check in s.write_checks]
+    checked: dict = {}
     layer_keys = [s.layer_key for s in result.sites]
     expect = result.expect
 
@@ -183,6 +213,8 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime")
         for index, replay in mask_inputs:
             runtime.check_dense_mask(replay(args[index]))
+        if write_checks:
+            _check_write_positions(active, [(replay(args[index]), row) for index, replay, row in write_checks], checked)
         meta = active.meta
         runtime.record_layers(layers)
         extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]

@@ -149,3 +149,27 @@ def mask_disagreement(allowed: torch.Tensor, row: RowLayout, key_positions: torc
         return ""
     t, c = (int(i) for i in bad[0])
     return f"query {t}, key column {c}: mask {bool(got[t, c])}, layout {bool(expect[t, c])}"
+
+
+def write_positions_problem(row: RowLayout, key_positions: torch.Tensor | None, columns: torch.Tensor) -> str:
+    """Why the dense columns a forward writes its new tokens at disagree with the row's layout ("" if they agree).
+
+    A static cache written at `position_ids` (Tencent's HunyuanStaticCache: ``index_copy_`` at the positions)
+    holds, in dense column c, the logical position `key_positions[c]` of the runtime's layout (read from the
+    prefill mask). New token t must therefore be written at a column holding its own logical position (a pad
+    token: at a column nobody reads). Any other column would make the dense cache and the paged one differ.
+    """
+    if key_positions is None:
+        return "the forward's plan has no dense key layout (plan it with the family helper: runtime.hunyuan_forward)"
+    columns = columns.reshape(-1).to("cpu", torch.int64)
+    if columns.numel() != row.num_tokens:
+        return f"{columns.numel()} write positions for {row.num_tokens} new tokens"
+    S = len(key_positions)
+    if bool(((columns < 0) | (columns >= S)).any()):
+        return f"write positions {columns.tolist()} fall outside the {S}-column cache layout"
+    bad = (key_positions[columns] != row.positions).nonzero()
+    if not len(bad):
+        return ""
+    t = int(bad[0])
+    return (f"new token {t} (logical position {int(row.positions[t])}) is written at dense column {int(columns[t])}, "
+            f"which holds logical position {int(key_positions[columns[t]])} in the layout")

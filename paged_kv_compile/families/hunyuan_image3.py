@@ -241,7 +241,7 @@ class HunyuanImage3Family:
             else:
                 positions = torch.arange(p, p + T, dtype=torch.int64)
                 ends, seq_len = ml.ends_by_position[p : p + T], p + T
-                key_positions.append(torch.cat([_cached_positions(ml, p, prefix_capacity), positions]))
+                key_positions.append(_step_key_positions(ml, p, prefix_capacity, positions))
             scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
             layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len))
         state = {"layouts": mask_layouts} if kind == "prefill" else {}
@@ -279,6 +279,8 @@ class HunyuanImage3Family:
         why = _mask_problem(site.args["attn_mask"])
         if why:
             return why
+        if site.write_indices:
+            return _match_static_cache(site)
         if site.history_positions:
             if site.standin_ndim != 4:
                 return "the cached prefix must be a (B, P, H, D) stand-in"
@@ -317,6 +319,28 @@ class HunyuanImage3Family:
         return [HunyuanKVCache(standin, standin) for _ in range(cfg.num_layers)]
 
 
+def _match_static_cache(site: Site) -> Match | str:
+    """Tencent's HunyuanStaticCache idiom: the new K/V written into a static (B, Hkv, S, D) cache with
+    `index_copy_` at `position_ids`, then attention over the whole cache with the mask.
+
+    Read structurally (passes/common.py: plan_writes), the key columns are the cache columns the new tokens did
+    not overwrite, in order, then the new tokens (the probe puts them last). Which dense column holds which
+    logical position is the layout read from the prefill mask; the runtime checks `position_ids` against it at
+    every call (layout.write_positions_problem), so a write elsewhere is refused, never computed.
+    """
+    lengths = {length for _, _, length in site.write_indices}
+    if len(lengths) != 1:
+        return "keys and values are written into caches of different lengths"
+    S = lengths.pop()
+    if len(site.new_sizes) != 1:
+        return "a static-cache site writes one new key tensor"
+    T = site.new_sizes[0]
+    if site.history_positions != list(range(S - T)):
+        return (f"after writing {T} new tokens at position_ids the attention must read the whole static cache "
+                f"[0, {S}) in order (it reads {len(site.history_positions)} other cache columns)")
+    return Match("hunyuan-static-cache", HunyuanExpect(S))
+
+
 def _check_against_spec(r: int, ml: MaskLayout, p: int, spec: HunyuanSpec) -> None:
     """The mask's target tokens must see what the spec says (else prefix_lens/target_len/spans are wrong)."""
     T = spec.target_len
@@ -342,6 +366,18 @@ def _cached_positions(ml: MaskLayout, p: int, capacity: int) -> torch.Tensor:
     pos = ml.positions[:capacity]
     pos = torch.where((pos >= 0) & (pos < p), pos, -1)
     return torch.cat([pos, torch.full((capacity - len(pos),), -1, dtype=torch.int64)])
+
+
+def _step_key_positions(ml: MaskLayout, p: int, capacity: int, positions: torch.Tensor) -> torch.Tensor:
+    """The logical position each dense key column of a step holds (-1: never visible).
+
+    A prefix cache (capacity below the prefill's dense length: vllm-omni, the reference model) is read as
+    ``[cached prefix | new tokens]``. A static cache as long as the whole prefill (Tencent's HunyuanStaticCache,
+    written at position_ids) keeps every dense column where the prefill put it, the target rewritten in place.
+    """
+    if capacity < len(ml.positions):
+        return torch.cat([_cached_positions(ml, p, capacity), positions])
+    return torch.cat([ml.positions, torch.full((capacity - len(ml.positions),), -1, dtype=torch.int64)])
 
 
 def _check_step_mask(allowed: torch.Tensor, layouts: list[RowLayout], key_positions: list[torch.Tensor]) -> None:

@@ -73,9 +73,16 @@ def movement_leaves(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     return sorted(leaves, key=order.__getitem__), sorted(moves, key=order.__getitem__)
 
 
-def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node]) -> dict[fx.Node, object] | None:
-    """Run the movement subgraph on tag tensors: every node's tags; None when it cannot be evaluated statically."""
+def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node],
+              writes: "Writes | None" = None) -> dict[fx.Node, object] | None:
+    """Run the movement subgraph on tag tensors: every node's tags; None when it cannot be evaluated statically.
+
+    With `writes`, its in-place stores run too, in graph order among the movement nodes, on the same tag
+    tensors (views alias as in the real program), with each data-dependent write position replaced by its probe.
+    """
     values: dict[fx.Node, object] = {}
+    if writes is not None:
+        leaves, moves = writes.leaves, writes.steps
     for i, leaf in enumerate(leaves):
         ex = example(leaf)
         if not isinstance(ex, torch.Tensor) or any(not isinstance(s, int) for s in ex.shape):
@@ -96,6 +103,9 @@ def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node]) -> dic
 
     try:
         for n in moves:
+            if writes is not None and n in writes.probes:
+                _store(n, sub, writes.probes[n])
+                continue
             args, kwargs = sub(n.args), sub(n.kwargs)
             if n.op == "call_function":
                 values[n] = n.target(*args, **kwargs)
@@ -105,6 +115,100 @@ def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node]) -> dic
     except (KeyError, RuntimeError, TypeError, IndexError, ValueError):
         return None
     return values if isinstance(values.get(node), torch.Tensor) else None
+
+
+def store_name(store: fx.Node) -> str:
+    """`index_copy_`, `copy_`, `setitem`, ...: the in-place operation a store node performs."""
+    return store.target if store.op == "call_method" else getattr(store.target, "__name__", str(store.target))
+
+
+#: where a store's written value sits among its arguments (the rest are the destination, indices or masks)
+STORE_VALUE_ARG = {"copy_": 1, "setitem": 2, "__setitem__": 2, "index_put_": 2, "index_copy_": 3}
+
+
+def _store(n: fx.Node, sub, probe: torch.Tensor | None) -> None:
+    """Perform store `n` on tag tensors (`probe`: the positions an index_copy_ writes at, when they are data)."""
+    name = store_name(n)
+    if name == "index_copy_":
+        dest, dim, value = sub(n.args[0]), n.args[1], sub(n.args[3])
+        dest.index_copy_(dim, probe, value)
+    elif name in ("setitem", "__setitem__"):
+        dest, index, value = sub(n.args[:3])
+        dest[index] = value
+    elif name == "copy_":
+        sub(n.args[0]).copy_(sub(n.args[1]))
+    else:
+        raise TypeError(name)
+
+
+@dataclass
+class Writes:
+    """In-place stores into cache stand-ins that an attention input reads back, made evaluable on tags.
+
+    probes: per `index_copy_` store, the positions used for its data-dependent index (the last positions of
+    the written axis: the new tokens land after everything the cache held, as a `cat([cache, new])` would
+    put them); a store with constant indices (slices of Python ints) needs none.
+    index_nodes: per probed store, its index node, the destination row it writes (None: every row) and the
+    length of the written axis.
+    """
+
+    leaves: list[fx.Node]
+    steps: list[fx.Node]
+    probes: dict[fx.Node, torch.Tensor | None]
+    index_nodes: list[tuple[fx.Node, int | None, int]]
+
+
+def _static(a) -> bool:
+    if isinstance(a, fx.Node):
+        return False
+    if isinstance(a, (list, tuple)):
+        return all(_static(x) for x in a)
+    if isinstance(a, slice):
+        return all(_static(x) for x in (a.start, a.stop, a.step))
+    return True
+
+
+def plan_writes(node: fx.Node, stores: list[fx.Node]) -> tuple[Writes | None, str]:
+    """The in-place `stores` (before `node`, in graph order) made evaluable with `node`'s movement chain.
+
+    Supported: `index_copy_(dim, index, value)` where `index` is data (its positions are checked against the
+    runtime's layout at run time), and `dest[constant slices] = value` / `dest.copy_(value)`. Anything else
+    (indices computed from `.item()`, masks) is refused with the reason.
+    """
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    leaves, moves = movement_leaves(node)
+    all_leaves, all_moves = set(leaves), set(moves)
+    probes: dict[fx.Node, torch.Tensor | None] = {}
+    index_nodes: list[tuple[fx.Node, int | None, int]] = []
+    for store in stores:
+        name = store_name(store)
+        value_at = STORE_VALUE_ARG.get(name)
+        if value_at is None or len(store.args) <= value_at or not isinstance(store.args[value_at], fx.Node):
+            return None, f"{store.name} writes the cache with {name}, which the pass cannot follow"
+        dest, value = store.args[0], store.args[value_at]
+        for chain in (dest, value):
+            lv, mv = movement_leaves(chain)
+            all_leaves.update(lv)
+            all_moves.update(mv)
+        if name == "index_copy_":
+            dim, index = store.args[1], store.args[2]
+            ex_dest, ex_value = example(dest), example(value)
+            if not isinstance(dim, int) or not isinstance(index, fx.Node) or ex_dest is None or ex_value is None:
+                return None, f"{store.name}: index_copy_ with a computed dimension"
+            length, n = int(ex_dest.shape[dim]), int(ex_value.shape[dim])
+            probes[store] = torch.arange(length - n, length, dtype=torch.int64)
+            index_nodes.append((index, None, length))
+        elif name in ("setitem", "__setitem__"):
+            if not _static(store.args[1]):
+                return None, (
+                    f"{store.name} writes the cache at positions computed in the graph (e.g. from .item()), which "
+                    "the pass cannot follow"
+                )
+            probes[store] = None
+        else:
+            probes[store] = None
+    steps = sorted(all_moves | set(probes), key=order.__getitem__)
+    return Writes(sorted(all_leaves, key=order.__getitem__), steps, probes, index_nodes), ""
 
 
 def movement_replay(node: fx.Node, placeholders: list[fx.Node]):
@@ -180,10 +284,15 @@ def _candidates(shape: tuple[int, ...], head_dim: int, batch: int):
     return [(s, axes) for s in shapes for axes in _layouts(len(s))]
 
 
-def provenance(node: fx.Node) -> tuple[Provenance | None, str]:
-    """Where each column of the attention input `node` ((B, H, L, D)) comes from, or a refusal reason."""
+def provenance(node: fx.Node, writes: Writes | None = None) -> tuple[Provenance | None, str]:
+    """Where each column of the attention input `node` ((B, H, L, D)) comes from, or a refusal reason.
+
+    `writes`: in-place stores into stand-ins that `node` reads back (`plan_writes`), followed on the tags.
+    """
     leaves, moves = movement_leaves(node)
-    values = _evaluate(node, leaves, moves)
+    if writes is not None:
+        leaves, moves = writes.leaves, [n for n in writes.steps if n not in writes.probes]
+    values = _evaluate(node, leaves, moves, writes)
     if values is None:
         return None, "its data-movement chain could not be evaluated at static shapes"
     tags = values[node]

@@ -42,6 +42,9 @@ class RewrittenSite:
     layer_key: str
     mask_input: int | None = None  # index of the dense mask among the inputs (for the check_mask option)
     mask_replay: Callable | None = None  # the input -> the mask the site reads (data movement such as .contiguous())
+    #: (input index, input -> write positions, row or None for every row) per store at data positions (Tencent's
+    #: index_copy_ at position_ids): checked against the runtime's layout at every call
+    write_checks: list[tuple[int, Callable, int | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -222,7 +225,13 @@ def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: Pas
                 graph.erase_node(store)
         mask = site.args["attn_mask"]
         replay = movement_replay(mask, placeholders) if isinstance(mask, fx.Node) else None
-        result.sites.append(RewrittenSite(index_of[weight], _source_name(weight), *(replay or (None, None))))
+        writes = []
+        for index_node, row, _ in site.write_indices:
+            got = movement_replay(index_node, placeholders)
+            if got is None:  # site.analyze already required one input; kept as a guard against a wrong answer
+                raise PassError(f"the write positions of {node.name} are not an input of the graph; cannot check them")
+            writes.append((*got, row))
+        result.sites.append(RewrittenSite(index_of[weight], _source_name(weight), *(replay or (None, None)), writes))
 
 
 def _concat(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:

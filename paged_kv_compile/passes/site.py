@@ -15,14 +15,20 @@ import torch.fx as fx
 
 from ..families.base import Expectation
 from .common import (
+    _TAG_MASK,
+    _TAG_SHIFT,
+    STORE_VALUE_ARG,
     LeafUse,
     Provenance,
+    Writes,
     ancestors,
     example,
     find_parameter,
     movement_leaves,
+    plan_writes,
     provenance,
     sdpa_args,
+    store_name,
     windowed_columns,
 )
 
@@ -68,6 +74,13 @@ class Site:
     #: how many of the new tokens (the leading ones) join the cache history in a cache concatenation, i.e. what
     #: the model's cache keeps; None when the keys have no cache concatenation (see common.windowed_columns)
     window_new_tokens: int | None = None
+    #: keys/values read back from a stand-in after this graph wrote the new tokens into it at positions that
+    #: are data (`index_copy_` at `position_ids`, Tencent's HunyuanStaticCache): (index node, row it writes or
+    #: None for every row, cache length) per store. The history columns are then the cache columns the new
+    #: tokens did not overwrite; the runtime checks the positions against its layout at every call.
+    write_indices: list[tuple[fx.Node, int | None, int]] = field(default_factory=list)
+    #: the length of the cache axis such writes address (0 without them)
+    written_cache_len: int = 0
 
 
 def store_nodes(graph: fx.Graph, standins: set[fx.Node]) -> list[fx.Node]:
@@ -110,8 +123,7 @@ def _store_weight(store: fx.Node, params: set[fx.Node]) -> fx.Node | None:
     return find_parameter(sources, params) if sources else None
 
 
-#: where a store's written value sits among its arguments (the rest are the destination, indices or masks)
-_STORE_VALUE_ARG = {"copy_": 1, "setitem": 2, "__setitem__": 2, "index_put_": 2, "index_copy_": 3}
+_STORE_VALUE_ARG = STORE_VALUE_ARG  # (kept for callers of the old name)
 
 
 def _store_problem(store: fx.Node, new_leaves: set[fx.Node]) -> str:
@@ -121,8 +133,8 @@ def _store_problem(store: fx.Node, new_leaves: set[fx.Node]) -> str:
     the same when the store writes exactly those tensors (through data movement, optionally zeroed where a
     row is padding: ``torch.where(valid, key[:, :P], 0)``, as HunyuanImage-3 does).
     """
-    name = store.target if store.op == "call_method" else getattr(store.target, "__name__", str(store.target))
-    index = _STORE_VALUE_ARG.get(name)
+    name = store_name(store)
+    index = STORE_VALUE_ARG.get(name)
     value = store.args[index] if index is not None and len(store.args) > index else None
     if not isinstance(value, fx.Node):
         return f"it writes the cache with {name}, which the pass cannot verify"
@@ -138,29 +150,53 @@ def _store_problem(store: fx.Node, new_leaves: set[fx.Node]) -> str:
     return ""
 
 
-def _read_after_write(node: fx.Node, args: dict, standins: set[fx.Node], stores: list[fx.Node]) -> str:
-    """Why keys/values read back from a stand-in that this graph wrote in place before ("" otherwise).
-
-    That is the preallocated rolling cache of CausVid / Self-Forcing (wan/modules/causal_model.py there): the new
-    tokens are written at [start:end] (after shifting the cache left to evict) and attended by reading the cache
-    back. Tag execution follows data movement, not mutation, so which positions hold new tokens is unknown.
-    """
+def _written_before(node: fx.Node, args: dict, standins: set[fx.Node], stores: list[fx.Node]) -> list[fx.Node]:
+    """Stores (in graph order) into a stand-in that the site's keys/values read back after the write."""
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     read = set()
     for name in ("key", "value"):
         leaves, _ = movement_leaves(args[name])
         read |= {leaf for leaf in leaves if leaf in standins}
-    for store in stores:
-        dest, _ = movement_leaves(store.args[0])
-        if order[store] < order[node] and read & set(dest):
-            return (
-                f"its keys/values are read back from a cache stand-in after an in-place write into it ({store.name}): "
-                "a preallocated rolling cache written at [start:end] (CausVid / Self-Forcing) cannot be paged as "
-                "written. Write the update as the window idiom instead: new_k = cat([cache_k, k], 1)[:, -window:] "
-                "(same for v), attend over it and return stack([new_k, new_v]); eviction and write positions are the "
-                "runtime's (docs/models.md)"
-            )
-    return ""
+    written = {leaf for s in stores if order[s] < order[node] for leaf in movement_leaves(s.args[0])[0]}
+    if not read & written:
+        return []
+    return [s for s in stores if order[s] < order[node] and set(movement_leaves(s.args[0])[0]) & read]
+
+
+def _read_after_write_refusal(stores: list[fx.Node], why: str) -> str:
+    return (
+        f"its keys/values are read back from a cache stand-in after an in-place write into it ({stores[0].name}) "
+        f"that the pass cannot follow: {why}. A preallocated rolling cache written at [start:end] (CausVid / "
+        "Self-Forcing) pages when its indices are constants or runtime-owned; with indices from .item(), write the "
+        "update as the window idiom instead: new_k = cat([cache_k, k], 1)[:, -window:] (same for v), attend over it "
+        "and return stack([new_k, new_v]); eviction and write positions are the runtime's (docs/models.md)"
+    )
+
+
+def _write_rows(writes: Writes, stores: list[fx.Node], prov: Provenance) -> list[tuple[fx.Node, int | None, int]] | str:
+    """Per data-positioned store: (index node, the row its value comes from or None for all rows, cache length).
+
+    The index must be data movement of one graph input (the runtime checks its values at every call)."""
+    out = []
+    probed = [s for s in stores if writes.probes.get(s) is not None]
+    for store, (index, _, length) in zip(probed, writes.index_nodes):
+        leaves, _ = movement_leaves(index)
+        if len(leaves) != 1 or leaves[0].op != "placeholder":
+            return (f"{store.name} writes the cache at positions computed inside the graph; pass them in (e.g. "
+                    "position_ids) so that the runtime can check them against its layout")
+        value = store.args[STORE_VALUE_ARG["index_copy_"]]
+        tags = prov.values.get(value)
+        if not isinstance(tags, torch.Tensor):
+            return f"{store.name}: its written value could not be followed"
+        leaf_ids = torch.unique(tags >> _TAG_SHIFT).tolist()
+        if len(leaf_ids) != 1:
+            return f"{store.name} writes several tensors at once"
+        shape = tuple(example(prov.leaves[leaf_ids[0] - 1]).shape)
+        rows = torch.unique((tags & _TAG_MASK) // (int(torch.Size(shape).numel()) // shape[0])).tolist()
+        out.append((index, None if len(rows) == shape[0] and tags.dim() == len(shape) else rows[0], length))
+        if len(rows) != 1 and out[-1][1] is not None:
+            return f"{store.name} writes part of several rows"
+    return out
 
 
 def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params: set[fx.Node]) -> Site | str | None:
@@ -177,15 +213,30 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         return None
     if args["dropout_p"] not in (0, 0.0):
         return "attention dropout is not supported by the paged op"
-    why = _read_after_write(node, args, standins, stores)
-    if why:
-        return why
+    written = _written_before(node, args, standins, stores)
+    write_plans: dict[str, Writes | None] = {"query": None, "key": None, "value": None}
+    if written:
+        for name in ("key", "value"):
+            plan, why = plan_writes(args[name], written)
+            if plan is None:
+                return _read_after_write_refusal(written, why)
+            write_plans[name] = plan
     provs = {}
     for name in ("query", "key", "value"):
-        prov, why = provenance(args[name])
+        prov, why = provenance(args[name], write_plans[name])
         if prov is None:
-            return f"{name}: {why}"
+            return (_read_after_write_refusal(written, f"{name}: {why}") if write_plans[name] is not None
+                    else f"{name}: {why}")
         provs[name] = prov
+    write_indices: list[tuple[fx.Node, int | None, int]] = []
+    for name in ("key", "value"):
+        if write_plans[name] is not None:
+            got = _write_rows(write_plans[name], written, provs[name])
+            if isinstance(got, str):
+                return _read_after_write_refusal(written, got)
+            write_indices += [w for w in got if w not in write_indices]
+    if written:
+        my_stores = list(dict.fromkeys(my_stores + written))
     k_hist, k_new, why_k = _split(provs["key"], standins)
     v_hist, v_new, why_v = _split(provs["value"], standins)
     q_hist, q_new, why_q = _split(provs["query"], standins)
@@ -248,4 +299,6 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         stores=my_stores,
         store_seq_len=store_len,
         window_new_tokens=window_new[0],
+        write_indices=write_indices,
+        written_cache_len=max((length for _, _, length in write_indices), default=0),
     )
