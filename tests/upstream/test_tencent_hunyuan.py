@@ -14,9 +14,9 @@ import contextlib
 
 import pytest
 import torch
-from helpers import CountingBackend, compile_blocks
+from helpers import CountingBackend, compile_blocks, raises_paged
 
-from paged_kv_compile import PagedKVConfig, PagedKVRuntime, RequestError
+from paged_kv_compile import PagedKVConfig, PagedKVRuntime, PassError, RequestError
 from paged_kv_compile.adapters.tencent_hunyuan import LAYER_IDX_SOURCE, static_cache_standins
 from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
@@ -129,3 +129,21 @@ def test_position_ids_that_disagree_with_the_layout_are_refused(wrong):
         with pytest.raises(RequestError, match="position_ids that disagree with the layout"):
             _run(layers, cache, req, around, step_positions=bad, forwards=slice(1, 2))
     assert rt.state() == before
+
+
+class _ComputedPositions(th.HunyuanStaticCache):
+    """The same cache, but the write positions are computed inside the graph (not an input)."""
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        return super().update(key_states, value_states, layer_idx,
+                              {"cache_position": cache_kwargs["cache_position"] + 0})
+
+
+def test_write_positions_computed_in_the_graph_are_refused():
+    """Positions the runtime cannot see cannot be checked against its layout: the pass refuses the site."""
+    req = _request((6, 3))
+    with torch.compiler.config.patch(dynamic_sources=LAYER_IDX_SOURCE):
+        layers, rt, backend, cache, around = _paged(req)
+        cache = _ComputedPositions(cache.key_cache, cache.value_cache)
+        with raises_paged(PassError, "positions computed inside the graph"):
+            _run(layers, cache, req, around, forwards=slice(0, 1))
