@@ -186,6 +186,12 @@ class PagedKVRuntime:
         """`forward(plan)` for a forward of `kind` that the owner's family plans (info: e.g. prefix_capacity)."""
         return self.forward(self.scheduler.plan(owner_id, kind, **info))
 
+    def forward_batch(self, items: Sequence[tuple]) -> contextlib.AbstractContextManager:
+        """One forward over the rows of several owners at the same phase, in item order (`Scheduler.plan_batch`:
+        items are (owner_id, kind) or (owner_id, kind, info)); metadata is built once for all of them, and a
+        failure rolls back every owner."""
+        return self.forward(self.scheduler.plan_batch(items))
+
     def dreamzero_forward(self, session_id: str, *, commit: bool,
                           branch: int | None = None) -> contextlib.AbstractContextManager:
         """A commit or denoising forward of the session; `branch`: one CFG row alone, as a batch-1 forward."""
@@ -212,16 +218,18 @@ class PagedKVRuntime:
 
     def check_layout(self, expect: families.Expectation | None) -> None:
         """A compiled site's idiom must agree with the active forward's owner (window, sink, prefix)."""
-        plan = self.require_active().plan
-        owner = self.scheduler.owners.get(plan.owner_id)
-        if owner is None or expect is None:
+        if expect is None:
             return
-        if expect.family != owner.family:
-            raise RequestError(
-                f"a {expect.family} attention site ran inside a {owner.family} forward ({plan.owner_id!r}); "
-                "plan the forward with the matching family helper"
-            )
-        families.get(owner.family).check_expectation(expect, owner, plan)
+        for plan in self.require_active().plan.owner_plans():
+            owner = self.scheduler.owners.get(plan.owner_id)
+            if owner is None:
+                continue
+            if expect.family != owner.family:
+                raise RequestError(
+                    f"a {expect.family} attention site ran inside a {owner.family} forward ({plan.owner_id!r}); "
+                    "plan the forward with the matching family helper"
+                )
+            families.get(owner.family).check_expectation(expect, owner, plan)
 
     def check_dense_mask(self, mask: torch.Tensor) -> None:
         """Debug: the model's dense mask must allow exactly what the runtime's layout makes visible.

@@ -10,7 +10,7 @@ leaves the state exactly as it was; a forward that fails is rolled back by `abor
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -31,6 +31,27 @@ def row_written_blocks(row: RowLayout, block_size: int) -> list[int]:
     hit = torch.zeros(row.num_blocks, dtype=torch.bool)
     hit[row.positions[row.positions >= 0] // block_size] = True
     return row.table[hit & row.managed].tolist()
+
+
+class _ScratchRowsFrom:
+    """The scheduler as a family's `BlockSource`, with the forward's rows starting at `first_row`: a part of a
+    batched forward plans its rows 0.. as if alone and gets the scratch of rows first_row.. ."""
+
+    def __init__(self, scheduler: "Scheduler", first_row: int) -> None:
+        self._scheduler = scheduler
+        self._first = first_row
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
+
+    def scratch(self, row: int, first_logical_block: int, last_logical_block: int) -> list[int]:
+        row += self._first
+        if row >= self._scheduler.max_rows:
+            raise RequestError(
+                f"this batched forward carries more than max_rows={self._scheduler.max_rows} rows (scratch exists "
+                "for that many): raise max_rows (and add buckets for the row counts) or batch fewer owners"
+            )
+        return self._scheduler.scratch(row, first_logical_block, last_logical_block)
 
 
 class Scheduler:
@@ -260,19 +281,83 @@ class Scheduler:
                     "Nothing was planned"
                 )
 
+    def plan_batch(self, items: Sequence[tuple]) -> ForwardPlan:
+        """One forward carrying the rows of several owners at the same phase; it is then in flight.
+
+        items: ``(owner_id, kind)`` or ``(owner_id, kind, info)`` per owner (info: what `plan` takes, e.g.
+        ``{"branch": 0}``). Each owner is planned by its family as if alone, on the next free scratch rows;
+        all must be of one family and kind with the same token count and context (one bucket of the summed
+        rows). Finishing applies every owner's part; a failure rolls back every owner. All or nothing: a
+        refused batch gives back what its planned parts took and changes nothing.
+        """
+        self._check_idle()
+        if not items:
+            raise RequestError("a batched forward needs at least one (owner_id, kind) item")
+        parsed = []
+        for item in items:
+            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                raise RequestError(f"batch items are (owner_id, kind) or (owner_id, kind, info), got {item!r}")
+            parsed.append((item[0], item[1], dict(item[2]) if len(item) == 3 else {}))
+        ids = [oid for oid, _, _ in parsed]
+        twice = sorted({oid for oid in ids if ids.count(oid) > 1})
+        if twice:
+            raise RequestError(f"{twice} appear more than once in one batched forward; a batch carries an owner once")
+        owners = [self._get(oid) for oid in ids]
+        if len({o.family for o in owners}) > 1 or len({kind for _, kind, _ in parsed}) > 1:
+            raise RequestError(
+                "a batched forward carries owners of one family at one phase; got "
+                + ", ".join(f"{oid!r} ({o.family} {kind})" for (oid, kind, _), o in zip(parsed, owners))
+                + ": plan the others in their own forward"
+            )
+        fam = families.get(owners[0].family)
+        parts: list[ForwardPlan] = []
+        try:
+            for (oid, kind, info), owner in zip(parsed, owners):
+                rows_before = sum(len(p.rows) for p in parts)
+                part = fam.plan(owner, _ScratchRowsFrom(self, rows_before), kind, **info)
+                parts.append(part)
+                if oid in self.sharing:
+                    self._check_writes(part)
+            shapes = {(p.tokens, p.context) for p in parts}
+            if len(shapes) > 1:
+                raise RequestError(
+                    "the owners of a batched forward must compute the same tokens over the same context; got "
+                    + ", ".join(f"{p.owner_id!r}: {p.tokens} tokens over {p.context}" for p in parts)
+                    + ": batch owners at the same phase (same chunk geometry, prefix capacity and target length)"
+                )
+        except BaseException:
+            for part in parts:
+                for new in part.new_blocks:
+                    self.free(new)
+            raise
+        rows = [r for p in parts for r in p.rows]
+        keys = tuple(p.key for p in parts)
+        positions = [k for p in parts for k in p.key_positions] if all(p.key_positions for p in parts) else None
+        first = parts[0]
+        plan = ForwardPlan(
+            "+".join(ids), first.kind, rows, first.tokens, first.context, key=keys if all(keys) else (),
+            keeps_kv=any(p.keeps_kv for p in parts), phase=first.phase, key_positions=positions, parts=parts,
+        )
+        for oid in ids:
+            self.owners.move_to_end(oid)
+        self.in_flight = plan
+        return plan
+
     def finish_forward(self, plan: ForwardPlan) -> None:
-        """The forward ran: its family applies it (e.g. a commit becomes history)."""
+        """The forward ran: each owner's family applies its part (e.g. a commit becomes history)."""
         self.check_in_flight(plan)
-        owner = self.owners[plan.owner_id]
-        families.get(owner.family).finish(owner, plan, self)
-        owner.phases_done.add(plan.kind)
+        for part in plan.owner_plans():
+            owner = self.owners[part.owner_id]
+            families.get(owner.family).finish(owner, part, self)
+            owner.phases_done.add(part.kind)
         self.in_flight = None
 
     def abort_forward(self, plan: ForwardPlan) -> None:
-        """The forward failed: give back what it took; history and prefixes are as before."""
+        """The forward failed: give back what it took for every owner; history and prefixes are as before."""
         self.check_in_flight(plan)
-        for new in plan.new_blocks:
-            self.free(new)
+        for part in plan.owner_plans():
+            for new in part.new_blocks:
+                self.free(new)
         self.in_flight = None
 
     def check_in_flight(self, plan: ForwardPlan) -> None:

@@ -76,6 +76,12 @@ class ForwardPlan:
     #: columns are [cached prefix | new tokens] (check_dense_mask)
     key_positions: list[torch.Tensor] | None = None
     state: dict[str, Any] = field(default_factory=dict)  # what the family's `finish` records on the owner
+    #: a batched forward (`Scheduler.plan_batch`): the plan of each owner whose rows it carries, in row order
+    parts: list["ForwardPlan"] = field(default_factory=list)
+
+    def owner_plans(self) -> list["ForwardPlan"]:
+        """The per-owner plans this forward finishes or rolls back: its parts, or itself."""
+        return self.parts or [self]
 
 
 class BlockSource(Protocol):
