@@ -29,7 +29,7 @@ def _main(name: str):
 
 
 def test_every_example_is_tested():
-    tested = {"dreamzero_rollout", "hunyuan_image3_request", "warmup", "graph_dump"}
+    tested = {"dreamzero_rollout", "hunyuan_image3_request", "warmup", "graph_dump", "fork_candidates"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -44,6 +44,14 @@ def test_hunyuan_image3_request(capsys):
     out = capsys.readouterr().out
     assert "one-row: prompts [9]" in out and "cfg: prompts [13, 4]" in out
     assert "blocks free again: 8 of 8" in out
+
+
+def test_fork_candidates(capsys):
+    assert _main("fork_candidates")(["3"]) == 0
+    out = capsys.readouterr().out
+    assert "forked 6 sessions from 'world'" in out and "blocks taken 0, KV bytes copied 0" in out
+    assert "3 candidates as rows of one forward (6 rows)" in out and "best candidate:" in out
+    assert "blocks free again: 56 of 56" in out
 
 
 def test_warmup(capsys):
