@@ -18,6 +18,7 @@ Sessions that fit a budget: paged is measured by admitting sessions into a budge
 scheduler refuses; dense is the arithmetic above.
 
     python -m benchmarks.memory [--quick] [--json] [--sessions N] [--requests M] [--budget-gib 40]
+    python -m benchmarks.memory --fp8-capacity 80    # DreamZero-14B sessions per 80 GiB, bf16 vs FP8
 """
 
 from __future__ import annotations
@@ -123,20 +124,20 @@ def dense_fit(budget: int, held: int, peak: int | None = None) -> int:
 
 
 def _meta_scheduler(num_layers, kv_heads, head_dim, block, scratch_tokens, dtype, *, budget_bytes=None,
-                    blocks_per_layer=None):
+                    blocks_per_layer=None, kv_dtype=None):
     cfg = PagedKVConfig(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block,
                         budget_bytes=budget_bytes, blocks_per_layer=blocks_per_layer, max_rows=2,
-                        scratch_tokens_per_row=scratch_tokens, dtype=dtype, device="meta")
+                        scratch_tokens_per_row=scratch_tokens, dtype=dtype, kv_dtype=kv_dtype, device="meta")
     pool = KVPool.from_config(cfg)
     return pool, Scheduler(pool, BuiltinAllocator(pool.blocks_per_layer), max_rows=2)
 
 
 def _pool_bytes(pool: KVPool) -> int:
-    return pool.tensor.numel() * pool.tensor.element_size()
+    return pool.nbytes  # FP8 scales included
 
 
 def paged_dreamzero_probe(cfg, dtype, block: int = REAL_BLOCK, *, budget_bytes=None, blocks_per_layer=None,
-                          max_sessions: int | None = None) -> dict:
+                          max_sessions: int | None = None, kv_dtype=None) -> dict:
     """Admit sessions one by one and drive each through a whole window-reset cycle of the loop.
 
     Counts the sessions that complete while all earlier ones keep their history (the worst case: every
@@ -144,7 +145,8 @@ def paged_dreamzero_probe(cfg, dtype, block: int = REAL_BLOCK, *, budget_bytes=N
     """
     try:
         pool, sched = _meta_scheduler(cfg.num_layers, cfg.num_heads, cfg.head_dim, block, cfg.tokens_per_forward,
-                                      dtype, budget_bytes=budget_bytes, blocks_per_layer=blocks_per_layer)
+                                      dtype, budget_bytes=budget_bytes, blocks_per_layer=blocks_per_layer,
+                                      kv_dtype=kv_dtype)
     except ConfigError:
         return {"sessions": 0, "pool_bytes": 0}
     spec = DreamZeroSpec.from_model_config(cfg)
@@ -167,7 +169,7 @@ def paged_dreamzero_probe(cfg, dtype, block: int = REAL_BLOCK, *, budget_bytes=N
         admitted += 1
     per_block = KVPool.bytes_per_block_all_layers(PagedKVConfig(
         num_layers=cfg.num_layers, num_kv_heads=cfg.num_heads, head_dim=cfg.head_dim, block_size=block,
-        blocks_per_layer=1, dtype=dtype))
+        blocks_per_layer=1, dtype=dtype, kv_dtype=kv_dtype))
     fixed_blocks = pool.num_blocks_total - pool.scratch_base  # scratch + pad, one layer's size each
     return {"sessions": admitted, "pool_bytes": _pool_bytes(pool), "blocks_per_layer": total,
             "session_held_bytes": held * per_block, "session_inflight_bytes": inflight * per_block,
@@ -280,6 +282,31 @@ def real_sizes(budget_gib: float, sessions=(1, 2, 4, 8), requests=(1, 8, 32, 128
         "budget_gib": budget_gib, "fit": fits(budget),
         "sweep": sweep,
     }
+
+
+FP8_COLUMNS = [("pool", "pool"), ("bytes / block (all layers)", "bytes_per_block_all_layers"),
+               ("session held GiB", "session_held_gib"), ("sessions", "sessions"), ("pool GiB", "pool_gib")]
+
+
+def fp8_capacity(budget_gib: float = 80.0) -> dict:
+    """DreamZero-14B sessions that fit `budget_gib` of pool, bf16 vs FP8 (scales included), on the real scheduler.
+
+    Same probe as the real-size table: sessions admitted into a budget-sized pool on the "meta" device,
+    each driven through a whole window cycle while the earlier ones keep their history.
+    """
+    dz, budget = DREAMZERO_14B, int(budget_gib * GiB)
+    rows = []
+    for label, kv_dtype in (("bf16", None), ("fp8 e4m3 (+ scales)", torch.float8_e4m3fn)):
+        probe = paged_dreamzero_probe(dz, torch.bfloat16, budget_bytes=budget, kv_dtype=kv_dtype)
+        one = paged_dreamzero_probe(dz, torch.bfloat16, blocks_per_layer=4 * _ceil(dz.max_attention_size, REAL_BLOCK),
+                                    max_sessions=1, kv_dtype=kv_dtype)
+        per_block = KVPool.bytes_per_block_all_layers(PagedKVConfig(
+            num_layers=dz.num_layers, num_kv_heads=dz.num_heads, head_dim=dz.head_dim, block_size=REAL_BLOCK,
+            blocks_per_layer=1, dtype=torch.bfloat16, kv_dtype=kv_dtype))
+        rows.append({"pool": label, "bytes_per_block_all_layers": per_block,
+                     "session_held_gib": one["session_held_bytes"] / GiB, "sessions": probe["sessions"],
+                     "pool_gib": probe["pool_bytes"] / GiB})
+    return {"budget_gib": budget_gib, "block_size": REAL_BLOCK, "rows": rows}
 
 
 # ---- measured on the tiny models ---------------------------------------------------------------------
@@ -476,7 +503,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None, help="HunyuanImage-3 requests in the measured run")
     parser.add_argument("--budget-gib", type=float, default=40.0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--fp8-capacity", type=float, default=None, metavar="GIB",
+                        help="only DreamZero-14B sessions per GIB of pool, bf16 vs FP8 (fast: no model runs)")
     args = parser.parse_args(argv)
+    if args.fp8_capacity is not None:
+        cap = fp8_capacity(args.fp8_capacity)
+        if args.json:
+            print(json.dumps(cap))
+        else:
+            print(f"DreamZero-14B in {cap['budget_gib']:g} GiB of pool, block size {cap['block_size']}")
+            print(format_table(cap["rows"], FP8_COLUMNS))
+        return 0
     result = run(args.quick, args.inner, args.sessions, args.requests, args.budget_gib, args.threads)
     if args.json:
         print(json.dumps(result))

@@ -129,7 +129,9 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
 
     new_gm = _copy_graph_module(gm)
     before = new_gm.print_readable(print_output=False)
-    result = rewrite(new_gm, example_inputs, is_standin=binding.is_standin, kernel=opts["kernel"], strict=opts["strict"])
+    fp8 = runtime is not None and runtime.pool.scales is not None
+    result = rewrite(new_gm, example_inputs, is_standin=binding.is_standin, kernel=opts["kernel"], strict=opts["strict"],
+                     kv_scales=fp8)
     _record(result)
     maybe_dump(opts["dump_dir"], before, result)
     if not result.changed:
@@ -142,7 +144,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     rows, tokens, context = result.shape
     bucket = Bucket(rows, tokens, context)
     meta = runtime.metadata.buffers(bucket)
-    extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
+    extras = _shared_extras(runtime, meta)
     for site in result.sites:
         views = meta.layers[binding.resolve(example_inputs[site.weight_input])[1]]
         extras += [views.slot_mapping, views.block_table]
@@ -181,6 +183,12 @@ def _check_write_positions(active, writes: list[tuple[torch.Tensor, int | None]]
         seen[key] = True
 
 
+def _shared_extras(runtime, meta) -> list:
+    """The inputs every rewritten site shares, in the rewrite pass's order: pool, lengths, ends, FP8 scales."""
+    extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
+    return extras if runtime.pool.scales is None else extras + [runtime.pool.scales]
+
+
 def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
                     mask_inputs: list[tuple[int, Callable]]) -> Callable:
     """The function dynamo calls: appends the pool and the calling layer's metadata views.
@@ -217,7 +225,7 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
             _check_write_positions(active, [(replay(args[index]), row) for index, replay, row in write_checks], checked)
         meta = active.meta
         runtime.record_layers(layers)
-        extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
+        extras = _shared_extras(runtime, meta)
         for layer in layers:
             views = meta.layers[layer]
             extras += [views.slot_mapping, views.block_table]

@@ -3,7 +3,7 @@
 Runs on a copy of dynamo's graph. For each SDPA node whose keys read a cache stand-in (or whose keys
 are stored into one), a family idiom must match; the site becomes ``write_attend(q, k_new, v_new,
 pool, slot_mapping, block_table, seq_lens, kv_visible_end)`` with the pool and metadata added as
-extra placeholders. Stores into stand-ins are dropped (the op writes the pool), returned caches become
+extra placeholders (and the pool's scales, ``kv_scales=``, when it stores FP8: pool.py). Stores into stand-ins are dropped (the op writes the pool), returned caches become
 stand-ins again, and a graph that still reads a stand-in afterwards is an error: it would compute on
 zeros.
 """
@@ -100,8 +100,12 @@ def rewrite(
     is_standin,
     kernel: str = "auto",
     strict: bool = False,
+    kv_scales: bool = False,
 ) -> PassResult:
-    """Rewrite `gm` (a copy the caller owns) in place; returns the report and the added inputs' roles."""
+    """Rewrite `gm` (a copy the caller owns) in place; returns the report and the added inputs' roles.
+
+    `kv_scales`: the pool stores FP8, and its scales come as one more input after kv_visible_end.
+    """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     values = dict(zip(placeholders, example_inputs))
@@ -167,7 +171,7 @@ def rewrite(
         if len(shapes) != 1:
             raise PassError(f"sites of one graph have different shapes {sorted(shapes)}; compile blocks separately")
         result.shape = shapes.pop()
-        _insert_ops(graph, matched, placeholders, kernel, result)
+        _insert_ops(graph, matched, placeholders, kernel, result, kv_scales)
 
     # Stores into a stand-in that no rewritten site took over (its site was refused): dead-code elimination
     # would drop them silently (FX treats in-place methods as pure), and later forwards would read a cache
@@ -190,11 +194,13 @@ def rewrite(
     return result
 
 
-def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: PassResult) -> None:
+def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: PassResult,
+                kv_scales: bool = False) -> None:
     last = placeholders[-1]
+    shared = ["paged_kv_pool", "paged_kv_seq_lens", "paged_kv_visible_end"] + (["paged_kv_kv_scales"] if kv_scales else [])
     with graph.inserting_after(last):
         extra_nodes = []
-        for name in ["paged_kv_pool", "paged_kv_seq_lens", "paged_kv_visible_end"] + [
+        for name in shared + [
             f"paged_kv_{kind}_{i}" for i in range(len(matched)) for kind in ("slot_mapping", "block_table")
         ]:
             extra_nodes.append(graph.placeholder(name))
@@ -204,9 +210,11 @@ def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: Pas
     for prev, node in zip([last] + extra_nodes[:-1], extra_nodes):
         prev.append(node)
     pool, seq_lens, visible = extra_nodes[:3]
+    scales = {"kv_scales": extra_nodes[3]} if kv_scales else {}
+    base = len(shared)
     index_of = {n: i for i, n in enumerate(placeholders)}
     for i, (site, match, weight) in enumerate(matched):
-        slot, table = extra_nodes[3 + 2 * i], extra_nodes[4 + 2 * i]
+        slot, table = extra_nodes[base + 2 * i], extra_nodes[base + 1 + 2 * i]
         node = site.node
         with graph.inserting_before(node):
             q, k, v = (_concat(graph, [to_bshd(graph, s.use, s.start, s.stop) for s in uses]) for uses in (site.q_new, site.k_new, site.v_new))
@@ -215,6 +223,7 @@ def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: Pas
             out = graph.call_function(
                 torch.ops.paged_kv.write_attend.default,
                 (q, k, v, pool, slot, table, seq_lens, visible, float(scale), kernel, match.visibility),
+                scales,
             )
             replacement = graph.call_method("transpose", (out, 1, 2))
         node.replace_all_uses_with(replacement)

@@ -1,0 +1,190 @@
+"""FP8 pool accuracy on both families' loops: final outputs of bf16 / FP8 pools against dense bf16.
+
+Each family's reference loop (`dreamzero_rollout`, `hunyuan_generate`: `models/hooks.py` drive over
+`dreamzero_steps` / `hunyuan_steps`) runs once dense (the model's own bf16 caches, eager) and once per
+pool on the paged runtime (blocks compiled with the paged_kv backend, inner compiler aot_eager, reference
+kernel), every model in bfloat16. Reported: max and mean |paged - dense| of the final outputs (DreamZero:
+the video and action chunks; HunyuanImage-3: the latents), and the dense output's mean |x| for scale.
+
+Pools: bf16 (the paging alone), FP8 e4m3 and e5m2 with static per (layer, kv head) scales calibrated
+from the dense run's amax of K and V (KVPool.scales_from_amax: the amax maps to the format's largest
+value), and e4m3 with every scale 1.0 (vLLM's default without calibration). The calibration run is the
+measured run itself: the figures are what calibrated static scales give, not a held-out estimate.
+
+    python -m benchmarks.fp8_accuracy [--json] [--size tiny|mid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from benchmarks._common import DZ_MID, DZ_TINY, HY_MID, HY_PROMPTS, HY_TINY, format_table
+from paged_kv_compile.driver import PagedHooks, dreamzero_runtime_config, hunyuan_runtime_config, hunyuan_spec
+from paged_kv_compile.models.dreamzero import DreamZeroModel, dreamzero_rollout
+from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Model, hunyuan_generate
+from paged_kv_compile.pool import KVPool
+from paged_kv_compile.runtime import PagedKVRuntime
+from paged_kv_compile.scheduler import DreamZeroSpec
+
+BF16 = torch.bfloat16
+#: (label, pool dtype, scales): "calibrated" from the dense run, "1.0" vLLM's uncalibrated default.
+POOLS = [
+    ("bf16 pool", None, None),
+    ("fp8 e4m3, calibrated", torch.float8_e4m3fn, "calibrated"),
+    ("fp8 e5m2, calibrated", torch.float8_e5m2, "calibrated"),
+    ("fp8 e4m3, scale 1.0", torch.float8_e4m3fn, "1.0"),
+]
+
+
+class KVAmax(TorchFunctionMode):
+    """Records, per self-attention layer, the absolute maximum of K and V per kv head over a dense run.
+
+    The layer is known from forward pre-hooks on the self-attention modules; SDPA's K/V ``[B, H, L, D]``
+    may repeat kv heads (GQA's repeat_kv), folded back with `kv_heads`.
+    """
+
+    def __init__(self, attention_modules, kv_heads: int) -> None:
+        super().__init__()
+        self.kv_heads = kv_heads
+        self.layer: int | None = None
+        self.amax = torch.zeros(2, len(attention_modules), kv_heads)
+        self.handles = []
+        for i, module in enumerate(attention_modules):
+            self.handles.append(module.register_forward_pre_hook(lambda _m, _a, i=i: self._enter(i)))
+            self.handles.append(module.register_forward_hook(lambda _m, _a, _o: self._enter(None)))
+
+    def _enter(self, layer: int | None) -> None:
+        self.layer = layer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self.layer is not None:
+            for half, t in enumerate(args[1:3]):
+                B, H, L, D = t.shape
+                per_head = t.detach().abs().float().view(B, self.kv_heads, H // self.kv_heads, L, D).amax((0, 2, 3, 4))
+                self.amax[half, self.layer] = torch.maximum(self.amax[half, self.layer], per_head)
+        return func(*args, **kwargs)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _errors(got: torch.Tensor, want: torch.Tensor) -> dict:
+    d = (got.float() - want.float()).abs()
+    return {"max_err": d.max().item(), "mean_err": d.mean().item(), "dense_mean_abs": want.float().abs().mean().item()}
+
+
+def _compile_paged(blocks, rt: PagedKVRuntime) -> None:
+    rt.bind(blocks)
+    for block in blocks:
+        block.compile(backend="paged_kv", fullgraph=True, dynamic=False,
+                      options={"kernel": "reference", "inner_compiler": "aot_eager"})
+
+
+def _set_scales(rt: PagedKVRuntime, kind, amax: torch.Tensor, dtype) -> None:
+    if kind == "calibrated":
+        s = KVPool.scales_from_amax(amax, dtype)
+        rt.pool.set_scales(s[0], s[1])
+
+
+def dreamzero(cfg, chunks: int, steps: int, pools=POOLS) -> list[dict]:
+    """Final video + actions of a `chunks`-chunk rollout, dense bf16 vs each pool."""
+    def model():
+        return DreamZeroModel(cfg, seed=1).eval().to(BF16)
+
+    def run(m, hooks=None):
+        out = dreamzero_rollout(m, num_chunks=chunks, num_inference_steps=steps, seed=0, hooks=hooks)
+        return torch.cat([out["video"].flatten(), out["actions"].flatten()])
+
+    dense_model = model()
+    amax = KVAmax([b.self_attn for b in dense_model.blocks], cfg.num_heads)
+    with torch.no_grad(), amax:
+        want = run(dense_model)
+    amax.close()
+    rows = []
+    for label, kv_dtype, scales in pools:
+        torch._dynamo.reset()
+        m = model()
+        rt = PagedKVRuntime(dreamzero_runtime_config(cfg, sessions=1, kernel="reference", inner_compiler="aot_eager",
+                                                     dtype=BF16, kv_dtype=kv_dtype))
+        _set_scales(rt, scales, amax.amax, kv_dtype)
+        _compile_paged(m.blocks, rt)
+        rt.open_session("s", DreamZeroSpec.from_model_config(cfg), rows=2)
+        with torch.no_grad():
+            got = run(m, PagedHooks(rt, "s"))
+        rt.close_session("s")
+        rt.close()
+        rows.append({"family": "dreamzero", "pool": label, **_errors(got, want)})
+    return rows
+
+
+def hunyuan(cfg, prompt_lens, capacity: int, steps: int, pools=POOLS) -> list[dict]:
+    """Final latents of one two-row request, dense bf16 vs each pool."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab, (n,), generator=gen) for n in prompt_lens]
+
+    def model():
+        return HunyuanImage3Model(cfg, seed=2).eval().to(BF16)
+
+    def run(m, hooks=None):
+        return hunyuan_generate(m, prompts, prefix_capacity=capacity, num_steps=steps, seed=0, hooks=hooks)
+
+    dense_model = model()
+    amax = KVAmax([layer.self_attn for layer in dense_model.layers], cfg.num_kv_heads)
+    with torch.no_grad(), amax:
+        want = run(dense_model)
+    amax.close()
+    rows = []
+    for label, kv_dtype, scales in pools:
+        torch._dynamo.reset()
+        m = model()
+        rt = PagedKVRuntime(hunyuan_runtime_config(cfg, max_prefix=capacity, requests=1, kernel="reference",
+                                                   inner_compiler="aot_eager", dtype=BF16, kv_dtype=kv_dtype))
+        _set_scales(rt, scales, amax.amax, kv_dtype)
+        _compile_paged(m.layers, rt)
+        rt.admit_request("r", hunyuan_spec(cfg, prompts))
+        with torch.no_grad():
+            got = run(m, PagedHooks(rt, "r"))
+        rt.finish_request("r")
+        rt.close()
+        rows.append({"family": "hunyuan_image3", "pool": label, **_errors(got, want)})
+    return rows
+
+
+def run(size: str = "tiny") -> dict:
+    dz, hy = (DZ_TINY, HY_TINY) if size == "tiny" else (DZ_MID, HY_MID)
+    (prompt_lens, capacity) = HY_PROMPTS[size]
+    chunks = dz.window_reset_frames // dz.num_frame_per_block + 1  # a whole window cycle and the reset
+    rows = dreamzero(dz, chunks=chunks, steps=2) + hunyuan(hy, prompt_lens, capacity, steps=4)
+    return {"size": size, "dreamzero": {"chunks": chunks, "denoising_steps": 2, "layers": dz.num_layers,
+                                        "heads": dz.num_heads, "head_dim": dz.head_dim},
+            "hunyuan_image3": {"prompts": list(prompt_lens), "capacity": capacity, "steps": 4,
+                               "layers": hy.num_layers, "kv_heads": hy.num_kv_heads, "head_dim": hy.head_dim},
+            "rows": rows}
+
+
+COLUMNS = [("family", "family"), ("pool", "pool"), ("max |err|", "max_err"), ("mean |err|", "mean_err"),
+           ("dense mean |x|", "dense_mean_abs")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--size", choices=["tiny", "mid"], default="tiny")
+    args = parser.parse_args(argv)
+    result = run(args.size)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    print(format_table(result["rows"], COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
