@@ -3,9 +3,9 @@
 Runs on a copy of dynamo's graph. For each SDPA node whose keys read a cache stand-in (or whose keys
 are stored into one), a family idiom must match; the site becomes ``write_attend(q, k_new, v_new,
 pool, slot_mapping, block_table, seq_lens, kv_visible_end)`` with the pool and metadata added as
-extra placeholders (and the pool's scales, ``kv_scales=``, when it stores FP8: pool.py). Stores into stand-ins are dropped (the op writes the pool), returned caches become
-stand-ins again, and a graph that still reads a stand-in afterwards is an error: it would compute on
-zeros.
+extra placeholders (and the pool's scales, ``kv_scales=``, when it stores FP8: pool.py). Stores into
+stand-ins are dropped (the op writes the pool), returned caches become stand-ins again, and a graph
+that still reads a stand-in afterwards is an error: it would compute on zeros.
 """
 
 from __future__ import annotations
