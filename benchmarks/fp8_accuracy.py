@@ -11,7 +11,7 @@ from the dense run's amax of K and V (KVPool.scales_from_amax: the amax maps to 
 value), and e4m3 with every scale 1.0 (vLLM's default without calibration). The calibration run is the
 measured run itself: the figures are what calibrated static scales give, not a held-out estimate.
 
-    python -m benchmarks.fp8_accuracy [--json] [--size tiny|mid]
+    python -m benchmarks.fp8_accuracy [--json] [--quick] [--size tiny|mid]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 
 from benchmarks._common import DZ_MID, DZ_TINY, HY_MID, HY_PROMPTS, HY_TINY, format_table
 from paged_kv_compile.driver import PagedHooks, dreamzero_runtime_config, hunyuan_runtime_config, hunyuan_spec
-from paged_kv_compile.models.dreamzero import DreamZeroModel, dreamzero_rollout
-from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Model, hunyuan_generate
+from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
+from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.pool import KVPool
 from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.scheduler import DreamZeroSpec
@@ -157,14 +157,22 @@ def hunyuan(cfg, prompt_lens, capacity: int, steps: int, pools=POOLS) -> list[di
     return rows
 
 
+#: --quick: 2-layer models, a 6-frame window cycle, 2 Hunyuan steps (tests/test_fp8_runtime.py's sizes).
+DZ_QUICK = DreamZeroConfig(num_layers=2, local_attn_size=4, window_reset_frames=6)
+HY_QUICK = HunyuanImage3Config(num_layers=2, image_h=2, image_w=3)
+
+
 def run(size: str = "tiny") -> dict:
-    dz, hy = (DZ_TINY, HY_TINY) if size == "tiny" else (DZ_MID, HY_MID)
-    (prompt_lens, capacity) = HY_PROMPTS[size]
+    if size == "quick":
+        dz, hy, (prompt_lens, capacity), dz_steps, hy_steps = DZ_QUICK, HY_QUICK, ((9, 5), 12), 1, 2
+    else:
+        dz, hy = (DZ_TINY, HY_TINY) if size == "tiny" else (DZ_MID, HY_MID)
+        (prompt_lens, capacity), dz_steps, hy_steps = HY_PROMPTS[size], 2, 4
     chunks = dz.window_reset_frames // dz.num_frame_per_block + 1  # a whole window cycle and the reset
-    rows = dreamzero(dz, chunks=chunks, steps=2) + hunyuan(hy, prompt_lens, capacity, steps=4)
-    return {"size": size, "dreamzero": {"chunks": chunks, "denoising_steps": 2, "layers": dz.num_layers,
+    rows = dreamzero(dz, chunks=chunks, steps=dz_steps) + hunyuan(hy, prompt_lens, capacity, steps=hy_steps)
+    return {"size": size, "dreamzero": {"chunks": chunks, "denoising_steps": dz_steps, "layers": dz.num_layers,
                                         "heads": dz.num_heads, "head_dim": dz.head_dim},
-            "hunyuan_image3": {"prompts": list(prompt_lens), "capacity": capacity, "steps": 4,
+            "hunyuan_image3": {"prompts": list(prompt_lens), "capacity": capacity, "steps": hy_steps,
                                "layers": hy.num_layers, "kv_heads": hy.num_kv_heads, "head_dim": hy.head_dim},
             "rows": rows}
 
@@ -173,17 +181,19 @@ COLUMNS = [("family", "family"), ("pool", "pool"), ("max |err|", "max_err"), ("m
            ("dense mean |x|", "dense_mean_abs")]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2-layer models, short loops (a smoke run)")
     parser.add_argument("--size", choices=["tiny", "mid"], default="tiny")
     args = parser.parse_args(argv)
-    result = run(args.size)
+    result = run("quick" if args.quick else args.size)
     if args.json:
-        print(json.dumps(result, indent=1))
-        return
+        print(json.dumps(result))
+        return 0
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(format_table(result["rows"], COLUMNS))
+    return 0
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import fp8_accuracy  # noqa: E402
-from paged_kv_compile.models.dreamzero import DreamZeroConfig  # noqa: E402
-from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config  # noqa: E402
 
 POOLS = [p for p in fp8_accuracy.POOLS if p[0] in ("bf16 pool", "fp8 e4m3, calibrated")]
 
@@ -33,10 +31,8 @@ def _check(rows):
 
 
 def test_hunyuan_loop_on_an_fp8_pool():
-    cfg = HunyuanImage3Config(num_layers=2, image_h=2, image_w=3)
-    _check(fp8_accuracy.hunyuan(cfg, (9, 5), 12, steps=2, pools=POOLS))
+    _check(fp8_accuracy.hunyuan(fp8_accuracy.HY_QUICK, (9, 5), 12, steps=2, pools=POOLS))
 
 
 def test_dreamzero_loop_on_an_fp8_pool():
-    cfg = DreamZeroConfig(num_layers=2, local_attn_size=4, window_reset_frames=6)
-    _check(fp8_accuracy.dreamzero(cfg, chunks=4, steps=1, pools=POOLS))
+    _check(fp8_accuracy.dreamzero(fp8_accuracy.DZ_QUICK, chunks=4, steps=1, pools=POOLS))
