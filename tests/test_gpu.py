@@ -37,7 +37,7 @@ from paged_kv_compile.ops import flash_attn as fa
 from paged_kv_compile.ops import write_attend as write_attend_module
 from paged_kv_compile.runtime import PagedKVRuntime
 
-from _opcases import dense_oracle, expected_pool, make_case, strided_view
+from _opcases import dense_oracle, expected_fp8_pool, expected_pool, fp8_case, make_case, strided_view
 
 CUDA = torch.cuda.is_available()
 DRY = os.environ.get("PAGED_KV_GPU_DRY_RUN") == "1" and not CUDA
@@ -120,6 +120,28 @@ def test_triton_kernel_on_device(name, dtype, meta_layout, no_host_checks):
     assert diff <= (FP32_ATOL if dtype == torch.float32 else 2e-2)
     case.pool = before.cpu()
     assert torch.equal(t["pool"].cpu(), expected_pool(case, before.cpu())), "exactly the valid slots written"
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_fp8_pool_on_device(name, kernel, pool_dtype, no_host_checks):
+    """FP8 pool on the device: the quantized bytes equal ops/fp8.py's on the CPU bit for bit, and attention
+    matches dense fp32 attention over the same quantize-dequantize round trip (tests/test_op_fp8.py on CPU)."""
+    if CUDA and kernel == "triton" and pool_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton's float8_e4m3fn needs compute capability >= 8.9")
+    case = make_case(**GEOMETRIES[name])
+    pool, scales, oracle = fp8_case(case, pool_dtype, seed=7)
+    t = _on_device(case, "contiguous")
+    t["pool"] = pool.to(DEVICE)
+    args = [t[n] for n in ("query", "key", "value", "pool", "slot_mapping", "block_table", "seq_lens",
+                           "kv_visible_end")]
+    got = torch.ops.paged_kv.write_attend(*args, case.scale, kernel, kv_scales=scales.to(DEVICE))
+    diff = (got.float().cpu() - dense_oracle(oracle)).abs().max().item()
+    record(f"fp8 pool {kernel} {name} {pool_dtype}", max_abs_diff_vs_round_trip_oracle=diff)
+    assert diff <= FP32_ATOL
+    want = expected_fp8_pool(case, pool, scales)
+    assert torch.equal(t["pool"].cpu().view(torch.uint8), want.view(torch.uint8)), "quantized bytes at the slots"
 
 
 # ---- both families' loops, compiled with Inductor, captured and replayed --------------------------------

@@ -21,6 +21,9 @@ from paged_kv_compile.ops.fp8 import quantize
 from paged_kv_compile.pool import KVPool
 
 from _opcases import dense_oracle, expected_fp8_pool, fp8_case, make_case
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_op_reference import geometries
 
 write_attend = torch.ops.paged_kv.write_attend
 attend = torch.ops.paged_kv.attend
@@ -63,6 +66,22 @@ def test_reference_fp8_matches_dense_attention_over_the_same_round_trip(geometry
     again = attend(case.query, pool, case.block_table, case.seq_lens, case.kv_visible_end, case.scale, "reference",
                    kv_scales=scales)
     assert torch.equal(again, out), "attend reads what write_attend wrote"
+
+
+@settings(max_examples=40, deadline=None)
+@given(geometry=geometries(), dtype=st.sampled_from(FP8), host_lengths=st.booleans(), seed=st.integers(0, 2**16))
+def test_reference_fp8_over_random_geometries(geometry, dtype, host_lengths, seed):
+    """The same exact oracle over test_op_reference's random geometries (rows, blocks, layouts, strides)."""
+    previous, reference.HOST_LENGTHS_ON_CPU = reference.HOST_LENGTHS_ON_CPU, host_lengths
+    try:
+        case = make_case(**geometry)
+        pool, scales, oracle = fp8_case(case, dtype, seed=seed)
+        before = pool.clone()
+        out = write_attend(*case.args(pool), case.scale, "reference", kv_scales=scales)
+        torch.testing.assert_close(out, dense_oracle(oracle), atol=1e-5, rtol=0)
+        assert torch.equal(_bits(pool), _bits(expected_fp8_pool(case, before, scales)))
+    finally:
+        reference.HOST_LENGTHS_ON_CPU = previous
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
