@@ -152,7 +152,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     masks = [(s.mask_input, s.mask_replay) for s in result.sites] if opts["check_mask"] else []
     if opts["check_mask"] and any(index is None for index, _ in masks):
         raise ConfigError("check_mask: a site's mask is computed inside the graph, not passed in; it cannot be checked")
-    return _paged_callable(compiled, result, bucket, tuple(runtime.pool.tensor.shape), masks)
+    return _paged_callable(compiled, result, bucket, _pool_geometry(runtime), masks)
 
 
 def _check_write_positions(active, writes: list[tuple[torch.Tensor, int | None]], seen: dict) -> None:
@@ -181,6 +181,11 @@ def _check_write_positions(active, writes: list[tuple[torch.Tensor, int | None]]
                     "prefill positions) and prefix_capacity = the static cache length"
                 )
         seen[key] = True
+
+
+def _pool_geometry(runtime) -> tuple:
+    """What a compiled graph assumes of the pool: its shape and dtype."""
+    return (*runtime.pool.tensor.shape, runtime.pool.tensor.dtype)
 
 
 def _shared_extras(runtime, meta) -> list:
@@ -217,8 +222,9 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
                 f"{active.bucket}: the model's inputs do not match the runtime's plan (stale metadata?)"
             )
         runtime.check_layout(expect)
-        if tuple(runtime.pool.tensor.shape) != pool_shape:
-            raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime")
+        if _pool_geometry(runtime) != pool_shape:
+            raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime "
+                               "(shape and dtype must match: an FP8 pool adds its scales as an input)")
         for index, replay in mask_inputs:
             runtime.check_dense_mask(replay(args[index]))
         if write_checks:
