@@ -260,3 +260,36 @@ def test_forked_children_equal_dense_continuations_of_the_parent():
     worst = max(worst, *((g - w).abs().max().item() for g, w in zip(got, want[:2])))
     assert worst <= ATOL, worst
     assert_refcounts_exact(rt)
+
+
+# ---- the benchmark behind docs/benchmarks.md ("Forks and batched candidates") ------------------------------
+def _benchmark():
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import fork_candidates
+
+    return fork_candidates
+
+
+def test_fork_capacity_at_dreamzero_14b_sizes_from_the_pool_geometry():
+    """880-token blocks of 40 layers x 40 heads x 128 x K/V in bf16; a candidate's chunk is 2 frames per row."""
+    cap = _benchmark().capacity()
+    assert cap["block_size"] == 880 and cap["block_bytes_all_layers"] == 2 * 40 * 880 * 40 * 128 * 2
+    # 2 rows x 2 frames, each frame one block of every layer, plus 2 rows x 4 scratch blocks of one layer each
+    per_fork = 4 * cap["block_bytes_all_layers"] + 2 * 4 * cap["block_bytes_all_layers"] // 40
+    assert abs(cap["per_fork_gib"] - per_fork / 2**30) < 0.01
+    assert (cap["forks_fit"], cap["clones_fit"]) == (18, 1)
+
+
+def test_fork_candidates_benchmark_quick(capsys):
+    assert _benchmark().main(["--quick", "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert [r["K"] for r in out["timing"]] == [1, 2] and all(r["ratio"] > 0 for r in out["timing"])
+    assert out["bytes"]["fork_bytes_copied"] == 0 and out["bytes"]["fork_blocks_taken"] == 0
+    assert out["bytes"]["dense_clone_bytes"] > 0

@@ -1,0 +1,155 @@
+"""K forked DreamZero candidates: one batched forward vs K sequential forwards, fork vs dense clone bytes,
+and how many candidates fit at DREAMZERO_14B sizes.
+
+Timing: a parent session with a full window is forked K times; the K children's denoising forwards run as
+the rows of ONE forward (`runtime.forward_batch`) or one child at a time, alternately (`interleaved`), on the
+compiled model (regional compile, paged_kv backend, aot_eager inside, reference kernel). Ratio =
+sequential / batched per repeat (> 1: the batch is faster). Bytes: what a fork copies (measured: the pool
+is compared before and after, and the allocator's free count) vs what a dense fork clones (the dense model's
+caches at the same point, measured). Capacity at DREAMZERO_14B sizes is computed from the pool geometry
+(`KVPool.bytes_per_block_all_layers`), not measured.
+
+    python -m benchmarks.fork_candidates [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import DZ_MID, DZ_TINY, bench_settings, interleaved, machine_info, markdown_table, summarize  # noqa: E402
+from paged_kv_compile import families  # noqa: E402
+from paged_kv_compile.driver import dreamzero_runtime_config  # noqa: E402
+from paged_kv_compile.families.base import ceil_div  # noqa: E402
+from paged_kv_compile.models.dreamzero import DREAMZERO_14B, DreamZeroConfig, DreamZeroModel  # noqa: E402
+from paged_kv_compile.pool import KVPool  # noqa: E402
+from paged_kv_compile.runtime import PagedKVRuntime  # noqa: E402
+from paged_kv_compile.scheduler import DreamZeroSpec  # noqa: E402
+
+GIB = 2**30
+
+
+def _inputs(cfg: DreamZeroConfig, seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, cfg.chunk_tokens, cfg.in_channels, generator=g).expand(rows, -1, -1)
+    a = torch.randn(1, cfg.action_register_length, cfg.action_dim, generator=g).expand(rows, -1, -1)
+    return x, a
+
+
+def timing(cfg: DreamZeroConfig, ks: list[int], repeats: int) -> tuple[list[dict], dict]:
+    """Per K: median ms of one batched forward of K children and of K one-child forwards, and the ratio."""
+    kmax = max(ks)
+    model = DreamZeroModel(cfg, seed=0)
+    rt = PagedKVRuntime(dreamzero_runtime_config(cfg, sessions=kmax + 1, max_rows=2 * kmax, kernel="reference",
+                                                 inner_compiler="aot_eager"))
+    rt.bind(model.blocks)
+    for block in model.blocks:
+        block.compile(backend="paged_kv", fullgraph=True, dynamic=False, options={"inner_compiler": "aot_eager"})
+    g = torch.Generator().manual_seed(1)
+    text = torch.randn(1, cfg.text_len, cfg.text_dim, generator=g)
+    cross = model.prepare_cross_kv(torch.cat([text, torch.zeros_like(text)]))
+
+    def forward(sessions: list[str], commit: bool, start: int) -> None:
+        rows = 2 * len(sessions)
+        x, a = _inputs(cfg, start, rows)
+        caches = families.for_model(model).standin_caches(rt, model, rows)
+        with rt.forward_batch([(s, "commit" if commit else "denoise") for s in sessions]):
+            model(x, a, torch.full((rows,), 500.0), start, caches, [c.repeat(1, len(sessions), 1, 1, 1) for c in cross],
+                  update_kv_cache=commit)
+
+    rt.open_session("parent", DreamZeroSpec.from_model_config(cfg), rows=2)
+    chunks = cfg.window_frames // cfg.num_frame_per_block
+    for chunk in range(chunks):  # a full window of history
+        forward(["parent"], True, chunk * cfg.num_frame_per_block)
+    start = chunks * cfg.num_frame_per_block
+
+    pool_before, free_before = rt.pool.tensor.clone(), rt.scheduler.allocator.num_free
+    for k in range(kmax):
+        rt.fork("parent", f"c{k}")
+    copied = 0 if torch.equal(rt.pool.tensor, pool_before) else rt.pool.nbytes
+    bytes_row = {"fork_blocks_taken": free_before - rt.scheduler.allocator.num_free, "fork_bytes_copied": copied}
+    dense = DreamZeroModel(cfg, seed=0)
+    caches = dense.dense_caches(2)
+    for chunk in range(chunks):
+        x, a = _inputs(cfg, chunk * cfg.num_frame_per_block, 2)
+        _, _, caches = dense(x, a, torch.zeros(2), chunk * cfg.num_frame_per_block, caches, cross,
+                             update_kv_cache=True)
+    bytes_row["dense_clone_bytes"] = sum(c.clone().numel() * c.element_size() for c in caches)
+    bytes_row["fork_metadata_bytes"] = 0  # a fork adds one reference per block on the host, nothing on the device
+
+    rows = []
+    for K in ks:
+        kids = [f"c{k}" for k in range(K)]
+        times = interleaved({"batched": lambda: forward(kids, False, start),
+                             "sequential": lambda: [forward([c], False, start) for c in kids]}, repeats)
+        ratios = [s / b for s, b in zip(times["sequential"], times["batched"])]
+        med = lambda v: round(sorted(v)[len(v) // 2] * 1e3, 2)  # noqa: E731
+        rows.append({"K": K, "rows": 2 * K, "batched_ms": med(times["batched"]),
+                     "sequential_ms": med(times["sequential"]), "ratio": summarize(ratios, 2)["median"],
+                     "ratio_iqr": f"{summarize(ratios, 2)['q1']}-{summarize(ratios, 2)['q3']}"})
+    for sid in list(rt.scheduler.owners):
+        rt.close_session(sid)
+    return rows, bytes_row
+
+
+def capacity(cfg: DreamZeroConfig = DREAMZERO_14B, budget_gib: float = 80.0) -> dict:
+    """Candidates that fit in `budget_gib` of KV next to the parent's full window, bf16, computed.
+
+    Fork: a candidate holds only what it commits (one chunk per CFG row, whole blocks) plus the scratch of
+    its 2 rows in the batched forward; the parent's window is shared. Clone: a candidate holds a whole dense
+    window of both rows (`DreamZeroConfig.kv_cache_bytes`), as vllm-omni's fork does.
+    """
+    pcfg = dreamzero_runtime_config(cfg, dtype=torch.bfloat16)
+    block_all_layers = KVPool.bytes_per_block_all_layers(pcfg)
+    block_one_layer = block_all_layers // cfg.num_layers
+    budget = budget_gib * GIB
+    window = cfg.kv_cache_bytes(batch=2, dtype=torch.bfloat16)  # the parent's (or a clone's) full window
+    chunk_blocks = 2 * ceil_div(cfg.chunk_tokens, pcfg.block_size)
+    scratch = 2 * pcfg.scratch_blocks_per_row * block_one_layer
+    per_fork = chunk_blocks * block_all_layers + scratch
+    per_clone = window + scratch
+    return {
+        "block_size": pcfg.block_size, "block_bytes_all_layers": block_all_layers,
+        "window_gib": round(window / GIB, 2), "per_fork_gib": round(per_fork / GIB, 2),
+        "per_clone_gib": round(per_clone / GIB, 2),
+        "forks_fit": int((budget - window) // per_fork), "clones_fit": int((budget - window) // per_clone),
+        "budget_gib": budget_gib,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, K = 1, 2, few repeats")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: a shared machine)")
+    args = parser.parse_args(argv)
+    cfg, ks, repeats = (DZ_TINY, [1, 2], 2) if args.quick else (DZ_MID, [1, 2, 4, 8], 7)
+    with bench_settings(threads=args.threads):
+        rows, bytes_row = timing(cfg, ks, repeats)
+    cap = capacity()
+    result = {"machine": machine_info(threads=args.threads), "config": "DZ_TINY" if args.quick else "DZ_MID", "timing": rows,
+              "bytes": bytes_row, "capacity_14b": cap}
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(markdown_table(rows, [("K", "K"), ("rows", "rows"), ("batched ms", "batched_ms"),
+                                ("K sequential ms", "sequential_ms"), ("sequential / batched", "ratio"),
+                                ("ratio IQR", "ratio_iqr")]))
+    print(f"\nfork: {bytes_row['fork_blocks_taken']} blocks taken, {bytes_row['fork_bytes_copied']} KV bytes copied; "
+          f"dense clone of the same state: {bytes_row['dense_clone_bytes']} bytes (fp32)")
+    print(f"\nDREAMZERO_14B (bf16, block {cap['block_size']} tokens): full window of 2 CFG rows {cap['window_gib']} GiB; "
+          f"per candidate: fork {cap['per_fork_gib']} GiB, clone {cap['per_clone_gib']} GiB; next to the parent in "
+          f"{cap['budget_gib']:.0f} GiB: {cap['forks_fit']} forks vs {cap['clones_fit']} clones")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
