@@ -24,9 +24,14 @@ import torch
 
 from paged_kv_compile.backend import paged_kv_backend
 from paged_kv_compile.driver import PagedHooks, dreamzero_runtime_config, hunyuan_runtime_config, hunyuan_spec
-from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_steps
+from paged_kv_compile.models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel, dreamzero_steps
 from paged_kv_compile.models.hooks import DenseHooks
-from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_steps
+from paged_kv_compile.models.hunyuan_image3 import (
+    HUNYUAN_IMAGE3_MID,
+    HunyuanImage3Config,
+    HunyuanImage3Model,
+    hunyuan_steps,
+)
 from paged_kv_compile.ops import write_attend as _write_attend_module
 from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.scheduler import DreamZeroSpec
@@ -40,18 +45,11 @@ DOCS = REPO / "docs"
 DZ_TINY = DreamZeroConfig(local_attn_size=8, window_reset_frames=16)
 #: Mid-size DreamZero: dim 512 (8 heads x 64), 64 tokens per frame, chunk 2 frames, window 8 frames,
 #: 33 action/state registers as in the real model.
-DZ_MID = DreamZeroConfig(
-    num_layers=4, dim=512, num_heads=8, head_dim=64, ffn_dim=1536, frame_seqlen=64, num_frame_per_block=2,
-    local_attn_size=8, window_reset_frames=16, action_register_length=33, text_len=32, text_dim=256,
-    in_channels=16, action_dim=32, freq_dim=64,
-)
+DZ_MID = DREAMZERO_MID
 #: Tiny HunyuanImage-3: 4 layers, hidden 64, 4/2 heads x 16, image 4x4 (target 18 tokens).
 HY_TINY = HunyuanImage3Config()
 #: Mid-size HunyuanImage-3: hidden 512, 8/2 heads x 64, image 16x16 (target 258 tokens).
-HY_MID = HunyuanImage3Config(
-    num_layers=4, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate=1536, vocab=1024,
-    latent_channels=16, image_h=16, image_w=16,
-)
+HY_MID = HUNYUAN_IMAGE3_MID
 
 #: Hunyuan request layouts used with each config: (prompt lengths of the CFG rows, padded prefix capacity).
 HY_PROMPTS = {"tiny": ((20, 7), 32), "mid": ((200, 60), 256)}

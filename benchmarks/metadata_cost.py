@@ -1,21 +1,33 @@
 """Host cost of building one forward's metadata for every layer, at the real model geometries.
 
-The pool lives on the "meta" device (no memory): only the scheduler's plan and the vectorized
-all-layer metadata build are timed. Copies are counted where they happen (`BucketMetadata.upload`):
-copies into the metadata buffers per forward, and of those the host-to-device ones, which exist only
-when the metadata lives on a device (`--device cuda`); on the CPU there are none.
+The pool lives on the "meta" device (no memory): only host work is timed. Per forward: the scheduler's plan
+(+ finish), and the metadata build (wall time, and the CPU time of the building thread, which a busy
+machine's preemption does not inflate) (`MetadataBuilder.build`: staging every row with numpy and the one copy
+into the bucket's buffers; each layer's absolute ids are computed on the device inside the compiled graph, so
+the build does no per-layer work). Copies are counted where they happen (`BucketMetadata.upload`): copies into
+the metadata buffers per forward, and of those the host-to-device ones, which exist only when the metadata
+lives on a device (`--device cuda`); on the CPU there are none. *torch ops/build* counts the torch operators a
+build dispatches (`TorchDispatchMode`), in one extra untimed run, and *of which compute* those that are not
+`aten.detach` (the views `Tensor.numpy()` makes): with none, the build cannot wait on torch's intra-op threads.
 
-    python benchmarks/metadata_cost.py [--repeats N] [--json] [--device cpu|cuda]
+    python benchmarks/metadata_cost.py [--repeats N] [--json] [--device cpu|cuda] [--threads N] [--busy N]
+
+`--busy N` keeps N other processes spinning (`python -c "while True: pass"`) while it measures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paged_kv_compile.allocator import BuiltinAllocator
 from paged_kv_compile.config import Bucket
@@ -34,52 +46,94 @@ def _setup(num_layers, kv_heads, head_dim, block_size, blocks_per_layer, scratch
     return scheduler, MetadataBuilder(pool, device=device)
 
 
-def _time(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+class OpCounter(TorchDispatchMode):
+    """Records the torch operators dispatched while it is active; `compute` leaves out `aten.detach` (what
+    `Tensor.numpy()` dispatches to make a view: it touches no data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def compute(self) -> list[str]:
+        return [op for op in self.ops if op != "aten.detach.default"]
 
 
-def _forward(scheduler, builder, plan_fn, fresh: bool):
-    """One planned forward's metadata; `fresh` drops the layout cache first (a real rebuild)."""
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """`n` other processes spinning on the CPU while the block runs (the machine under load)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.2 if n else 0)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _forward(scheduler, builder, plan_fn, fresh: bool, times: dict | None = None, counter: bool = False,
+             finish: bool = True):
+    """One planned forward's metadata; `fresh` drops the layout cache first (a real rebuild). Appends the plan
+    (+ finish) and build times in microseconds to `times`; with `counter`, returns the ops the build dispatched."""
     def run():
+        t0 = time.perf_counter_ns()
         plan = plan_fn()
         bucket = Bucket(len(plan.rows), plan.tokens, plan.context)
+        meta = builder.buffers(bucket)
         if fresh:
-            builder.buffers(bucket).last_key = ()
-        builder.build(bucket, plan.rows, plan.key)
-        scheduler.finish_forward(plan)
+            meta.last_key = ()
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        with OpCounter() if counter else contextlib.nullcontext() as ops:
+            builder.build(bucket, plan.rows, plan.key)
+        t2, c2 = time.perf_counter_ns(), time.thread_time_ns()
+        if finish:
+            scheduler.finish_forward(plan)
+        t3 = time.perf_counter_ns()
+        if times is not None:
+            times["build"].append((t2 - t1) / 1e3)
+            times["build_cpu"].append((c2 - c1) / 1e3)
+            times["plan"].append((t1 - t0 + t3 - t2) / 1e3)
+        return ops if counter else None
     return run
 
 
-def _timed(name, layers, kind, builder, run, repeats) -> dict:
-    """Time `run` and count the copies it really issued into the metadata buffers (per forward), after one
-    untimed run that creates the bucket's buffers (whose padding state is a copy of its own)."""
-    run()
+def _timed(name, layers, kind, scheduler, builder, plan_fn, fresh, repeats, finish: bool = True) -> dict:
+    """Time `repeats` forwards and count the copies they really issued into the metadata buffers (per forward),
+    after one untimed run that creates the bucket's buffers (whose padding state is a copy of its own) and one
+    that counts the torch ops a build dispatches."""
+    _forward(scheduler, builder, plan_fn, fresh, finish=finish)()
+    ops = _forward(scheduler, builder, plan_fn, fresh, counter=True, finish=finish)()
     copies, h2d = builder.copies, builder.h2d_copies
-    times = _time(run, repeats)
-    return _row(name, layers, kind, times, (builder.copies - copies) / repeats, (builder.h2d_copies - h2d) / repeats)
+    times: dict = {"build": [], "build_cpu": [], "plan": []}
+    run = _forward(scheduler, builder, plan_fn, fresh, times, finish=finish)
+    for _ in range(repeats):
+        run()
+    return _row(name, layers, kind, times, (builder.copies - copies) / repeats, (builder.h2d_copies - h2d) / repeats,
+                ops)
 
 
-def _measure(name, layers, kind, scheduler, builder, plan_fn, repeats) -> list[dict]:
-    return [_timed(name, layers, f"{kind}: {label}", builder, _forward(scheduler, builder, plan_fn, fresh), repeats)
+def _measure(name, layers, kind, scheduler, builder, plan_fn, repeats, finish: bool = True) -> list[dict]:
+    return [_timed(name, layers, f"{kind}: {label}", scheduler, builder, plan_fn, fresh, repeats, finish)
             for fresh, label in ((True, "build"), (False, "repeat"))]
 
 
 def dreamzero(repeats: int, device: str = "cpu") -> list[dict]:
+    """DreamZero-14B with the window full (its longest metadata): a sliding-window session, no reset."""
     cfg = DREAMZERO_14B
-    spec = DreamZeroSpec.from_model_config(cfg)
+    spec = dataclasses.replace(DreamZeroSpec.from_model_config(cfg), reset_frames=None)
     block = 16  # divides frame_seqlen = 880
     sched, builder = _setup(cfg.num_layers, cfg.num_heads, cfg.head_dim, block,
                             2 * spec.window_tokens // block, spec.tokens_per_forward, device)
     sched.open_session("s", spec, rows=2)
     for _ in range(spec.window_frames // spec.chunk_frames):  # fill the window
         _forward(sched, builder, lambda: sched.plan_dreamzero("s", commit=True), True)()
-    commit = _forward(sched, builder, lambda: sched.plan_dreamzero("s", commit=True), True)
-    rows = [_timed("DreamZero-14B", cfg.num_layers, "commit (new blocks)", builder, commit, repeats)]
+    rows = [_timed("DreamZero-14B", cfg.num_layers, "commit (new blocks)", sched, builder,
+                   lambda: sched.plan_dreamzero("s", commit=True), True, repeats)]
     rows += _measure("DreamZero-14B", cfg.num_layers, "denoise", sched, builder,
                      lambda: sched.plan_dreamzero("s", commit=False), repeats)
     return rows
@@ -93,20 +147,40 @@ def hunyuan(repeats: int, device: str = "cpu") -> list[dict]:
     spec = HunyuanSpec((1000, 300), cfg.target_len, ((1, 1 + cfg.image_tokens),))
     sched.admit_request("r", spec)
     mask = spec.padded_mask(prefix)  # the prefill reads each row's layout from the model's mask (once per request)
-    rows = _measure("HunyuanImage-3", cfg.num_layers, "prefill", sched, builder,
-                    lambda: sched.plan_hunyuan("r", phase="prefill", prefix_capacity=prefix, attention_mask=mask),
-                    repeats)
+    # The prefill plan reads the (S, S) mask (seconds at S ~ 5k, once per request), so one prefill is planned and
+    # its metadata built `repeats` times; its plan + finish time is that one plan's.
+    t0 = time.perf_counter_ns()
+    prefill = sched.plan_hunyuan("r", phase="prefill", prefix_capacity=prefix, attention_mask=mask)
+    plan_us = (time.perf_counter_ns() - t0) / 1e3
+    rows = _measure("HunyuanImage-3", cfg.num_layers, "prefill", sched, builder, lambda: prefill, repeats,
+                    finish=False)
+    for row in rows:
+        row["plan_finish_median_us"] = round(plan_us, 1)
+    sched.finish_forward(prefill)
     rows += _measure("HunyuanImage-3", cfg.num_layers, "denoising step", sched, builder,
                      lambda: sched.plan_hunyuan("r", phase="step", prefix_capacity=prefix), repeats)
     return rows
 
 
-def _row(model, layers, kind, times, copies, h2d):
+def _row(model, layers, kind, times, copies, h2d, ops):
+    total = [a + b for a, b in zip(times["build"], times["plan"])]
+    us = lambda xs, f: round(f(xs), 1)  # noqa: E731
     return {
         "model": model, "layers": layers, "forward": kind,
-        "median_ms": round(statistics.median(times), 3), "min_ms": round(min(times), 3),
-        "max_ms": round(max(times), 3), "copies_per_forward": copies, "h2d_copies_per_forward": h2d,
+        "build_median_us": us(times["build"], statistics.median), "build_max_us": us(times["build"], max),
+        "build_cpu_median_us": us(times["build_cpu"], statistics.median),
+        "plan_finish_median_us": us(times["plan"], statistics.median),
+        "median_ms": round(statistics.median(total) / 1e3, 3), "min_ms": round(min(total) / 1e3, 3),
+        "max_ms": round(max(total) / 1e3, 3), "copies_per_forward": copies, "h2d_copies_per_forward": h2d,
+        "torch_ops_per_build": len(ops.ops), "torch_compute_ops_per_build": len(ops.compute),
     }
+
+
+COLUMNS = [("model", "model"), ("layers", "layers"), ("forward", "forward"), ("build median us", "build_median_us"),
+           ("build max us", "build_max_us"), ("build CPU median us", "build_cpu_median_us"), ("plan+finish median us", "plan_finish_median_us"),
+           ("total median ms", "median_ms"), ("copies/fwd", "copies_per_forward"),
+           ("H2D/fwd", "h2d_copies_per_forward"), ("torch ops/build", "torch_ops_per_build"),
+           ("of which compute", "torch_compute_ops_per_build")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,17 +188,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--device", default="cpu", help="where the metadata buffers live (cpu: no H2D copies)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--busy", type=int, default=0, help="other processes spinning on the CPU meanwhile")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    rows = dreamzero(args.repeats, args.device) + hunyuan(args.repeats, args.device)
+    old_threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        with busy_processes(args.busy):
+            rows = dreamzero(args.repeats, args.device) + hunyuan(args.repeats, args.device)
+    finally:
+        torch.set_num_threads(old_threads)
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'model':16} {'layers':>6} {'forward':32} {'median ms':>10} {'min':>8} {'max':>8} {'copies/fwd':>10} "
-          f"{'H2D/fwd':>8}")
+    print(f"torch threads {args.threads or old_threads}, {args.busy} busy processes, {args.repeats} repeats, "
+          f"metadata on {args.device}")
+    print(" | ".join(h for h, _ in COLUMNS))
     for r in rows:
-        print(f"{r['model']:16} {r['layers']:>6} {r['forward']:32} {r['median_ms']:>10} {r['min_ms']:>8} "
-              f"{r['max_ms']:>8} {r['copies_per_forward']:>10} {r['h2d_copies_per_forward']:>8}")
+        print(" | ".join(str(r[k]) for _, k in COLUMNS))
     return 0
 
 

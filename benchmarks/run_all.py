@@ -85,11 +85,9 @@ def render_markdown(results: dict) -> str:
     if "metadata_cost" in results:
         md = results["metadata_cost"]
         out += ["### Metadata build and host-to-device copies per forward (real layer counts)", "",
-                f"`python benchmarks/metadata_cost.py` ({md['repeats']} repeats; the pool on the meta device, "
+                f"`python -m benchmarks.metadata_cost` ({md['repeats']} repeats; the pool on the meta device, "
                 "so only the host work is timed).", "",
-                markdown_table(md["rows"], [("model", "model"), ("layers", "layers"), ("forward", "forward"),
-                                            ("median ms", "median_ms"), ("min ms", "min_ms"), ("max ms", "max_ms"),
-                                            ("H2D copies / forward", "h2d_copies_per_forward")]), ""]
+                markdown_table(md["rows"], metadata_cost.COLUMNS), ""]
     if "compile_cost" in results:
         cc = results["compile_cost"]
         s, real = cc["settings"], cc["dreamzero_14b"]

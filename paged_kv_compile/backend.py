@@ -147,7 +147,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     extras = _shared_extras(runtime, meta)
     for site in result.sites:
         views = meta.layers[binding.resolve(example_inputs[site.weight_input])[1]]
-        extras += [views.slot_mapping, views.block_table]
+        extras.append(views.block_base)
     compiled = _inner_compile(opts["inner_compiler"], new_gm, list(example_inputs) + extras)
     masks = [(s.mask_input, s.mask_replay) for s in result.sites] if opts["check_mask"] else []
     if opts["check_mask"] and any(index is None for index, _ in masks):
@@ -189,9 +189,11 @@ def _pool_geometry(runtime) -> tuple:
 
 
 def _shared_extras(runtime, meta) -> list:
-    """The inputs every rewritten site shares, in the rewrite pass's order: pool, lengths, ends, FP8 scales."""
+    """The inputs every rewritten site shares, in the rewrite pass's order: pool, lengths, ends, FP8 scales, then
+    the metadata every layer's slots and table are computed from (`passes/rewrite.py: SHARED_METADATA`)."""
     extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
-    return extras if runtime.pool.scales is None else extras + [runtime.pool.scales]
+    extras += [] if runtime.pool.scales is None else [runtime.pool.scales]
+    return extras + [meta.positions, meta.table0, meta.table_managed]
 
 
 def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
@@ -234,7 +236,7 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
         extras = _shared_extras(runtime, meta)
         for layer in layers:
             views = meta.layers[layer]
-            extras += [views.slot_mapping, views.block_table]
+            extras.append(views.block_base)
         return compiled(*args, *extras)
 
     paged_kv_compiled_forward.pass_result = result

@@ -1,6 +1,6 @@
 """The `paged-kv` command: demo, warmup, dump, bench.
 
-    paged-kv demo [--model dreamzero|hunyuan-image3] [--kernel K] [--inner-compiler C] [--json]
+    paged-kv demo [--model dreamzero|hunyuan-image3] [--size mid|tiny] [--kernel K] [--inner-compiler C] [--json]
     paged-kv warmup [--model M] [--kernel K] [--inner-compiler C] [--json]
     paged-kv dump --out DIR [--model M] [--inner-compiler C] [--json]
     paged-kv bench [NAME ...] [--list] [--dir DIR] [-- ARGS]
@@ -28,6 +28,9 @@ from .config import INNER_COMPILERS, KERNELS
 from .errors import PagedKVError
 
 MODELS = ("dreamzero", "hunyuan-image3")
+#: The demo's model sizes: "tiny" (dim 64: seconds, but fixed per-call costs dominate its times) and "mid"
+#: (dim 512, 8 heads x 64: the size whose times say something; benchmarks/forward_time.py uses it too).
+SIZES = ("mid", "tiny")
 PARITY_ATOL = 1e-5
 #: aot_eager: the demo's compile takes ~1 s on 2 CPU cores; Inductor's takes 5-20 s (cold C++ cache).
 DEFAULT_INNER_COMPILER = "aot_eager"
@@ -54,10 +57,11 @@ class Setup:
     model: Any
     runtime: Any
     buckets: tuple
-    run_dense: Callable[[Any], Any]  # hooks -> result
+    run_dense: Callable[..., Any]  # (hooks, model=None: a fresh dense model) -> result
     run_paged: Callable[[Callable[[Any, str], Any]], Any]  # make_hooks(runtime, owner_id) -> result
     compare: Callable[[Any, Any], float]
     info: dict = field(default_factory=dict)
+    dense_model: Any = None  # the dense model the demo compiles and times (like the paged one)
 
 
 def _device(args) -> str:
@@ -77,7 +81,9 @@ def _device(args) -> str:
     return name
 
 
-def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool = False) -> Setup:
+def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool = False, size: str = "tiny") -> Setup:
+    import dataclasses
+
     import torch
 
     from .driver import paged_dreamzero_rollout, paged_hunyuan_generate
@@ -86,18 +92,20 @@ def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool
     from .runtime import PagedKVRuntime
 
     if model_name == "dreamzero":
-        from .models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
+        from .models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 
-        # window 6 frames with a 2-frame sink, chunks of 2 frames: slides after 3 commits, resets after 8 chunks.
-        cfg = DreamZeroConfig(sink_size=2)
+        # chunks of 2 frames with a 2-frame sink: tiny: window 6 frames, slides after 3 commits, resets after 8
+        # chunks; mid: window 8 frames (64 tokens each), slides after 4 commits, resets after 8 chunks.
+        cfg = DreamZeroConfig(sink_size=2) if size == "tiny" else dataclasses.replace(DREAMZERO_MID, sink_size=2)
         chunks, steps = (2, 1) if short else (10, 3)
         buckets = dreamzero_buckets(cfg)
         model = DreamZeroModel(cfg, seed=1).to(device)
         runtime = PagedKVRuntime(dreamzero_runtime_config(
-            cfg, block_size=8, kernel=kernel, inner_compiler=inner, buckets=buckets, device=device))
+            cfg, block_size=8 if size == "tiny" else 16, kernel=kernel, inner_compiler=inner, buckets=buckets,
+            device=device))
 
-        def run_dense(hooks):
-            return dreamzero_rollout(DreamZeroModel(cfg, seed=1).to(device), num_chunks=chunks,
+        def run_dense(hooks, dense_model=None):
+            return dreamzero_rollout(dense_model or DreamZeroModel(cfg, seed=1).to(device), num_chunks=chunks,
                                      num_inference_steps=steps, seed=3, hooks=hooks)
 
         def run_paged(make_hooks):
@@ -107,26 +115,29 @@ def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool
         def compare(dense, paged):
             return max((dense[k].float() - paged[k].float()).abs().max().item() for k in ("video", "actions"))
 
-        describe = (f"dreamzero: {cfg.num_layers} layers, {chunks} chunks x {steps} denoising steps, window "
+        describe = (f"dreamzero ({size}: dim {cfg.dim}, {cfg.num_heads} heads x {cfg.head_dim}, {cfg.frame_seqlen} "
+                    f"tokens/frame): {cfg.num_layers} layers, {chunks} chunks x {steps} denoising steps, window "
                     f"{cfg.window_frames} frames with a {cfg.sink_size}-frame sink, reset every "
                     f"{cfg.chunks_per_window} chunks")
         return Setup("dreamzero", describe, model, runtime, buckets, run_dense, run_paged, compare,
-                     info={"chunks": chunks, "steps": steps})
+                     info={"chunks": chunks, "steps": steps}, dense_model=DreamZeroModel(cfg, seed=1).to(device))
 
-    from .models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
+    from .models.hunyuan_image3 import HUNYUAN_IMAGE3_MID, HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 
-    cfg = HunyuanImage3Config()
-    capacity, steps = 12, (2 if short else 4)
+    cfg = HunyuanImage3Config() if size == "tiny" else HUNYUAN_IMAGE3_MID
+    capacity, steps = (12 if size == "tiny" else 256), (2 if short else 4)
     gen = torch.Generator().manual_seed(0)
-    lengths = [[9]] if short else [[9], [11, 4]]  # a 1-row request, then a 2-row (CFG) one
+    # a 1-row request, then a 2-row (CFG) one
+    lengths = [[9]] if short else ([[9], [11, 4]] if size == "tiny" else [[200], [200, 60]])
     requests = [[torch.randint(0, cfg.vocab, (n,), generator=gen) for n in lens] for lens in lengths]
     buckets = hunyuan_buckets(cfg, [capacity], rows=sorted({len(r) for r in requests}))
     model = HunyuanImage3Model(cfg, seed=2).to(device)
     runtime = PagedKVRuntime(hunyuan_runtime_config(
-        cfg, max_prefix=capacity, block_size=4, kernel=kernel, inner_compiler=inner, buckets=buckets, device=device))
+        cfg, max_prefix=capacity, block_size=4 if size == "tiny" else 16, kernel=kernel, inner_compiler=inner,
+        buckets=buckets, device=device))
 
-    def run_dense(hooks):
-        dense_model = HunyuanImage3Model(cfg, seed=2).to(device)
+    def run_dense(hooks, dense_model=None):
+        dense_model = dense_model or HunyuanImage3Model(cfg, seed=2).to(device)
         return [hunyuan_generate(dense_model, p, prefix_capacity=capacity, num_steps=steps, seed=5, hooks=hooks)
                 for p in requests]
 
@@ -138,10 +149,11 @@ def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool
     def compare(dense, paged):
         return max((d.float() - p.float()).abs().max().item() for d, p in zip(dense, paged))
 
-    describe = (f"hunyuan-image3: {cfg.num_layers} layers, {len(requests)} request(s) of {[len(r) for r in requests]} "
-                f"row(s), prefix capacity {capacity}, {steps} steps")
+    describe = (f"hunyuan-image3 ({size}: hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads x "
+                f"{cfg.head_dim}): {cfg.num_layers} layers, {len(requests)} request(s) of "
+                f"{[len(r) for r in requests]} row(s), prefix capacity {capacity}, {steps} steps")
     return Setup("hunyuan_image3", describe, model, runtime, buckets, run_dense, run_paged, compare,
-                 info={"requests": len(requests), "steps": steps})
+                 info={"requests": len(requests), "steps": steps}, dense_model=HunyuanImage3Model(cfg, seed=2).to(device))
 
 
 def _check_kernel(setup: Setup, kernel: str) -> str:
@@ -223,6 +235,26 @@ def _dense_hooks(setup: Setup, timer: _Timer, kv: dict):
     return hooks
 
 
+def _timed_dense_hooks(timer: _Timer):
+    """Dense hooks that only time each forward (the compiled dense run)."""
+    from .models.hooks import DenseHooks
+
+    class Hooks(DenseHooks):
+        def forward(self, kind, **info):
+            return timer.around(super().forward(kind, **info))
+
+    return Hooks()
+
+
+def _compile_dense(setup: Setup, inner: str) -> None:
+    """Compile the dense model's blocks exactly as the paged ones are (regional, fullgraph, static shapes), with the
+    same inner compiler and no paging: the like-for-like baseline of the demo's times."""
+    from . import families
+
+    for block in families.for_model(setup.dense_model).blocks(setup.dense_model):
+        block.compile(backend=inner, fullgraph=True, dynamic=False)
+
+
 def _paged_hooks_factory(runtime, timer: _Timer, buckets_used: list):
     from .driver import PagedHooks
 
@@ -257,11 +289,22 @@ def cmd_demo(args) -> int:
     from .capture import format_bucket, warm_up
 
     device = _device(args)
-    setup = _setup(args.model, args.kernel, args.inner_compiler, device)
+    setup = _setup(args.model, args.kernel, args.inner_compiler, device, size=args.size)
     resolved = _check_kernel(setup, args.kernel)
 
-    dense_timer, kv = _Timer(device), {}
-    dense = setup.run_dense(_dense_hooks(setup, dense_timer, kv))
+    # The oracle: the dense model, eager (also measures the KV its caches hold).
+    kv = {}
+    dense = setup.run_dense(_dense_hooks(setup, _Timer(device), kv))
+    # The time baseline: the same dense model compiled like the paged one, warmed up (every cache length it sees
+    # compiled), then timed over the same loop.
+    torch._dynamo.reset()
+    graphs0 = _unique_graphs()
+    _compile_dense(setup, args.inner_compiler)
+    setup.run_dense(_timed_dense_hooks(_Timer(device)), setup.dense_model)
+    dense_frames = _unique_graphs() - graphs0
+    dense_timer = _Timer(device)
+    setup.run_dense(_timed_dense_hooks(dense_timer), setup.dense_model)
+    dense_compiles_timed = _unique_graphs() - graphs0 - dense_frames
 
     torch._dynamo.reset()
     graphs0 = _unique_graphs()
@@ -303,8 +346,16 @@ def cmd_demo(args) -> int:
             "paged_scratch_and_pad": pool.nbytes - history,
             "dense_caches_peak": kv.get("peak", 0),
         },
-        "time_per_forward_ms": {"dense_eager": dense_timer.mean_ms(), "paged_compiled": paged_timer.mean_ms(),
-                                "forwards": len(paged_timer.times)},
+        "size": args.size,
+        "dense_compiled_frames": dense_frames,
+        "time_per_forward_ms": {
+            "dense_compiled": dense_timer.mean_ms(), "paged_compiled": paged_timer.mean_ms(),
+            "paged_over_dense": paged_timer.mean_ms() / dense_timer.mean_ms(), "forwards": len(paged_timer.times),
+            "dense_forwards": len(dense_timer.times), "compiles_while_timed": dense_compiles_timed + serving_compiles,
+            "measures": f"wall time per forward over the whole loop, both paths compiled regionally with "
+                        f"{args.inner_compiler} (fullgraph, static shapes) and warmed up; paged includes the runtime's "
+                        f"planning, metadata and commit; {'CUDA graphs' if captured.capture else 'no CUDA graphs'}",
+        },
         "warmup_s": warmup_s,
         "cuda_graphs": captured.capture,
     }
@@ -327,8 +378,14 @@ def cmd_demo(args) -> int:
               f"{sites['refused']} refused; each compiled frame serves all {sites['layers']} layers")
         print(f"  KV bytes reserved: paged pool {k['paged_pool']:,} ({k['paged_history_blocks']:,} history blocks + "
               f"{k['paged_scratch_and_pad']:,} scratch/pad); dense caches at peak {k['dense_caches_peak']:,}")
-        print(f"  time per forward: dense eager {t['dense_eager']:.2f} ms, paged compiled {t['paged_compiled']:.2f} ms "
-              f"({t['forwards']} forwards); warm-up {warmup_s:.2f} s")
+        print(f"  parity oracle: the dense model run eagerly; dense compiled frames for the timing: {dense_frames} "
+              "(one per cache length)")
+        print(f"  time per forward, both compiled with {args.inner_compiler} and warmed up: dense {t['dense_compiled']:.2f} "
+              f"ms, paged {t['paged_compiled']:.2f} ms = {t['paged_over_dense']:.2f}x dense (mean over the "
+              f"{t['forwards']} forwards of the loop; paged includes planning + metadata; warm-up {warmup_s:.2f} s)")
+        if args.size == "tiny":
+            print("  (tiny model: fixed per-call costs dominate these times; --size mid compares at a size that means "
+                  "something)")
     return 0 if result["parity"]["ok"] else 1
 
 
@@ -458,8 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
         p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
-    p = sub.add_parser("demo", help="dense eager vs paged compiled, side by side, on a tiny model")
+    p = sub.add_parser("demo", help="dense vs paged, both compiled the same way, side by side, on a small model")
     common(p)
+    p.add_argument("--size", choices=SIZES, default="mid",
+                   help="model size (default mid: dim 512, 8 heads x 64, tens of seconds on a CPU; tiny: seconds)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("warmup", help="compile (and on CUDA capture) every shape bucket; per-bucket times")
     common(p)

@@ -1,22 +1,28 @@
 """Once-per-forward metadata for every layer, in persistent per-bucket buffers.
 
-The op of layer ``l`` reads ``slot_mapping[l]`` and ``block_table[l]`` (absolute ids: the layer's base
-is added to its managed blocks) plus ``seq_lens`` and ``kv_visible_end`` (shared by all layers). All
-four live in one device allocation per bucket, filled by ONE host-to-device copy from one staging
-buffer per forward. Views never move, so a captured CUDA graph keeps reading the current values.
+What the host builds and copies is the same for every layer: each row's block table as layer-0 ids (local
+ids where a block is managed, absolute scratch ids elsewhere), which entries are managed, the logical position
+of every query token (-1: padding), ``seq_lens`` and ``kv_visible_end``. All of it lives in one device
+allocation per bucket, filled by ONE host-to-device copy from one staging buffer per forward. Layer l's
+op inputs follow from it and one per-layer base (`pool.py`: layer l's block b is ``l * blocks_per_layer + b``):
+``block_table = table0 + managed * base_l`` and ``slot_mapping[t] = block_table[pos_t // B] * B + pos_t % B``
+(-1 where pos_t < 0). :func:`layer_metadata` computes them; `passes/rewrite.py` puts that computation into
+the compiled graph next to each op call, so it runs on the device (inside a captured CUDA graph) and the host
+does no per-layer and no per-token arithmetic. Every buffer keeps its address.
+
+The host side is plain numpy on the pinned staging buffer: no torch operator (so nothing waits on torch's
+intra-op thread pool, which stalls when other processes keep the cores busy).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
 from .config import Bucket
 from .errors import RequestError
 from .layout import RowLayout
 from .pool import KVPool
-
 
 def _carve(buf: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Typed views of consecutive, 8-byte aligned regions of one byte buffer."""
@@ -41,20 +47,44 @@ def _buffer_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
     return total
 
 
-@dataclass
-class LayerViews:
-    """What one layer's op call reads."""
+def layer_metadata(positions: torch.Tensor, table0: torch.Tensor, table_managed: torch.Tensor,
+                   block_base: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (slot_mapping int64 [R, T], block_table int32 [R, M]) from the shared metadata and its base.
 
-    slot_mapping: torch.Tensor  # int64 [R, T]
-    block_table: torch.Tensor  # int32 [R, M]
+    Plain torch ops on the buffers: called inside compiled graphs (`passes/rewrite.py`) and by code that
+    drives the op directly (:class:`LayerViews`)."""
+    table = table0 + table_managed * block_base
+    safe = positions.clamp(min=0)
+    slots = torch.gather(table, 1, safe // block_size).to(torch.int64) * block_size + safe % block_size
+    return torch.where(positions >= 0, slots, -1), table
+
+
+class LayerViews:
+    """What one layer's op call reads besides the shared buffers: its base (a 0-d tensor at a fixed address).
+
+    `slot_mapping` / `block_table` give that layer's values as new tensors, for code that calls the op
+    directly (tests, benchmarks); compiled graphs compute them in the graph instead.
+    """
+
+    def __init__(self, meta: "BucketMetadata", layer: int) -> None:
+        self.meta, self.layer = meta, layer
+        self.block_base = meta.block_bases[layer]  # int32 0-d: layer * blocks_per_layer
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.meta
+        return layer_metadata(m.positions, m.table0, m.table_managed, self.block_base, m.block_size)
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:  # int64 [R, T]
+        return self._views()[0]
+
+    @property
+    def block_table(self) -> torch.Tensor:  # int32 [R, M]
+        return self._views()[1]
 
 
 class BucketMetadata:
     """Persistent buffers of one shape bucket, for all layers.
-
-    The host stages only what is the same in every layer: layer 0's slots and table plus a mask of
-    which entries are managed (per-layer) blocks. One copy moves that to the device, where two
-    broadcast ops expand it to every layer: ``slots[l] = slots0 + managed * base_l * B``.
 
     The copy is asynchronous on a CUDA device and the host may run ahead (CUDA graphs), so a pinned
     staging buffer must not be written while a copy out of it is pending. Writes go through
@@ -67,22 +97,29 @@ class BucketMetadata:
         L, R, T = pool.num_layers, bucket.rows, bucket.tokens
         M = bucket.table_width(pool.block_size)
         self.width = M
+        self.num_layers = L
         device = device if device is not None else pool.tensor.device
-        staged = [((R, T), torch.int64), ((R, T), torch.int64), ((R, M), torch.int32), ((R, M), torch.int32),
-                  ((R,), torch.int32), ((R, T), torch.int32)]
-        expanded = [((L, R, T), torch.int64), ((L, R, M), torch.int32)]
+        self.device = device
+        staged = [((R, T), torch.int64), ((R, M), torch.int32), ((R, M), torch.bool), ((R,), torch.int32),
+                  ((R, T), torch.int32)]
         nbytes = _buffer_bytes(staged)
-        self.device_buffer = torch.zeros(nbytes + _buffer_bytes(expanded), dtype=torch.uint8, device=device)
+        self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.host_buffer = torch.zeros(2, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self._staged_device = self.device_buffer[:nbytes]
-        (self._slot0, self._slot_managed, self._table0, self._table_managed, self.seq_lens,
-         self.kv_visible_end) = _carve(self._staged_device, staged)
-        self.slot_mapping, self.block_table = _carve(self.device_buffer[nbytes:], expanded)
-        self._host = [_carve(self.host_buffer[i], staged) for i in range(2)]
-        self._slot_base = (pool.layer_bases * pool.block_size).view(L, 1, 1).to(device)
-        self._block_base = pool.layer_bases.view(L, 1, 1).to(device=device, dtype=torch.int32)
-        self.layers = [LayerViews(self.slot_mapping[l], self.block_table[l]) for l in range(L)]
+        self.positions, self.table0, self.table_managed, self.seq_lens, self.kv_visible_end = _carve(
+            self.device_buffer, staged)
+        self.block_size = pool.block_size
+        # numpy views of the two staging buffers (and, for CPU metadata, of the device buffer): the host writes
+        # and copies through them without dispatching a torch op.
+        self._host_tensors = [self.host_buffer[i] for i in range(2)]
+        self._host_np = {t.data_ptr(): t.numpy() for t in self._host_tensors}
+        self._host = [[t.numpy() for t in _carve(self.host_buffer[i], staged)] for i in range(2)]
+        self._device_np = self.device_buffer.numpy() if device.type == "cpu" else None
+        self.block_bases = pool.layer_bases.to(device=device, dtype=torch.int32)
+        self.layers = [LayerViews(self, l) for l in range(L)]
         self.last_key: tuple = ()
+        self._pad_block = pool.pad_block
+        self._used = [(T, M)] * 2  # per staging buffer: the (tokens, blocks) extent its last upload wrote
+        self.staged_extent = (T, M)
         #: Makes the event recorded after each copy (None: copies are synchronous). Tests swap in fakes.
         self.new_event = torch.cuda.Event if device.type == "cuda" else (lambda: None)
         self._copy_done: list = [None, None]  # per staging buffer: the event of the last copy out of it
@@ -90,9 +127,21 @@ class BucketMetadata:
         self.copies = 0  # copies issued into device_buffer (padding states included)
         self.fill_with_padding(pool)
 
-    def stage(self) -> list[torch.Tensor]:
-        """Host views (slot0, slot_managed, table0, table_managed, seq_lens, kv_visible_end) to write the
-        next forward's values into; call :meth:`upload` after writing them.
+    # ---- every layer at once, for tests and direct op calls (compiled graphs never read these) --------
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """int64 [L, R, T]: every layer's absolute slots (a new tensor)."""
+        return torch.stack([views.slot_mapping for views in self.layers])
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """int32 [L, R, M]: every layer's absolute block table (a new tensor)."""
+        return torch.stack([views.block_table for views in self.layers])
+
+    def stage(self) -> list[np.ndarray]:
+        """Host views (positions, table0, table_managed, seq_lens, kv_visible_end) to write the
+        next forward's values into; call :meth:`upload` after writing them. `staged_extent` is the (tokens, blocks)
+        per row the buffer's last upload may hold beyond padding: everything past it already is padding.
 
         Switches to the other pinned buffer and waits until the last copy out of it has completed, so no
         write can reach a copy still pending (with two buffers the host may run one forward ahead).
@@ -102,37 +151,55 @@ class BucketMetadata:
         if done is not None:
             done.synchronize()
             self._copy_done[self._current] = None
+        self.staged_extent = self._used[self._current]
         return self._host[self._current]
+
+    def pad_rows(self, host: list[np.ndarray], row: int, tokens: tuple[int, int], blocks: tuple[int, int]) -> None:
+        """Padding in `host`'s row `row`: tokens [t0, t1) write nothing and see nothing, table entries
+        [m0, m1) are the pad block."""
+        positions, table0, table_managed, seq, vis = host
+        (t0, t1), (m0, m1) = tokens, blocks
+        if t1 > t0:
+            positions[row, t0:t1] = -1
+            vis[row, t0:t1] = 0
+        if m1 > m0:
+            table0[row, m0:m1] = self._pad_block
+            table_managed[row, m0:m1] = False
 
     def fill_with_padding(self, pool: KVPool) -> None:
         """A valid all-padding state: nothing written, nothing visible (before the first forward, warm-up)."""
-        slot0, slot_managed, table0, table_managed, seq, vis = self.stage()
-        slot0.fill_(-1)
-        table0.fill_(pool.pad_block)
-        for t in (slot_managed, table_managed, seq, vis):
-            t.zero_()
-        self.upload()
+        host = self.stage()
+        for r in range(self.bucket.rows):
+            self.pad_rows(host, r, (0, self.bucket.tokens), (0, self.width))
+        host[3][:] = 0
+        self.upload((0, 0))
         self.last_key = ()
 
-    def upload(self) -> None:
-        """The forward's one host-to-device copy from the buffer :meth:`stage` handed out, and its event."""
-        self.copy_and_expand(self.host_buffer[self._current])
+    def upload(self, used: tuple[int, int] | None = None) -> None:
+        """The forward's one host-to-device copy from the buffer :meth:`stage` handed out, and its event.
+
+        `used`: the (tokens, blocks) extent the forward wrote; the next :meth:`stage` of this buffer resets only that.
+        """
+        self._used[self._current] = used if used is not None else (self.bucket.tokens, self.width)
+        self.copy_in(self._host_tensors[self._current])
         self.copies += 1
         self._copy_done[self._current] = self.new_event()
         if self._copy_done[self._current] is not None:
             self._copy_done[self._current].record()
 
-    def copy_and_expand(self, host: torch.Tensor) -> None:
-        """Device work of one upload, in stream order: copy `host` in, expand it to every layer."""
-        self._staged_device.copy_(host, non_blocking=True)
-        torch.mul(self._slot_base, self._slot_managed, out=self.slot_mapping)
-        self.slot_mapping.add_(self._slot0)
-        torch.mul(self._block_base, self._table_managed, out=self.block_table)
-        self.block_table.add_(self._table0)
+    def copy_in(self, host: torch.Tensor) -> None:
+        """Device work of one upload, in stream order: the copy of `host` into the device buffer.
+
+        CPU metadata is copied with numpy (a memcpy, no torch intra-op threads); a device gets one
+        asynchronous copy out of the pinned buffer."""
+        if self._device_np is not None:
+            staged = self._host_np.get(host.data_ptr())
+            np.copyto(self._device_np, staged if staged is not None and staged.size == host.numel() else host.numpy())
+        else:
+            self.device_buffer.copy_(host, non_blocking=True)
 
     def addresses(self) -> tuple[int, ...]:
-        return (self.slot_mapping.data_ptr(), self.block_table.data_ptr(), self.seq_lens.data_ptr(),
-                self.kv_visible_end.data_ptr())
+        return (self.device_buffer.data_ptr(), self.block_bases.data_ptr())
 
 
 class MetadataBuilder:
@@ -166,47 +233,55 @@ class MetadataBuilder:
         meta = self.buffers(bucket)
         if key and key == meta.last_key:
             return meta
-        self._check_fits(bucket, meta.width, rows)
+        arrays = self._check_fits(bucket, meta.width, rows, self.pool.block_size)
         # From here the buffers change: until this build completes they describe no plan, so a build that
         # fails half-way can never be skipped as a repeat of the previous key (another request's layout).
         meta.last_key = ()
-        B = self.pool.block_size
-        slot0, slot_managed, table0, table_managed, seq, vis = meta.stage()  # waits for its last copy
-        slot0.fill_(-1)
-        slot_managed.zero_()
-        table0.fill_(self.pool.pad_block)
-        table_managed.zero_()
-        seq.zero_()
-        vis.zero_()
-        for r, row in enumerate(rows):
-            m, t = row.num_blocks, row.num_tokens
-            table0[r, :m] = row.table
-            table_managed[r, :m] = row.managed
-            valid = row.positions >= 0
-            safe = row.positions.clamp(min=0)
-            index = safe // B
-            slots = row.table[index] * B + safe % B
-            slot0[r, :t] = torch.where(valid, slots, -1)
-            slot_managed[r, :t] = row.managed[index] & valid
-            vis[r, :t] = row.visible_end
-            seq[r] = row.seq_len
-        meta.upload()
+        host = meta.stage()  # waits for its last copy
+        positions, table0, table_managed, seq, vis = host
+        tp, mp = meta.staged_extent
+        used_t = used_m = 0
+        for r in range(bucket.rows):
+            if r >= len(rows):
+                meta.pad_rows(host, r, (0, tp), (0, mp))
+                seq[r] = 0
+                continue
+            table, managed, pos, ends = arrays[r]
+            m, t = len(table), len(pos)
+            table0[r, :m] = table
+            table_managed[r, :m] = managed
+            positions[r, :t] = pos
+            vis[r, :t] = ends
+            seq[r] = rows[r].seq_len
+            meta.pad_rows(host, r, (t, tp), (m, mp))
+            used_t, used_m = max(used_t, t), max(used_m, m)
+        meta.upload((used_t, used_m))
         self.builds += 1
         meta.last_key = key
         return meta
 
     @staticmethod
-    def _check_fits(bucket: Bucket, width: int, rows: list[RowLayout]) -> None:
+    def _check_fits(bucket: Bucket, width: int, rows: list[RowLayout], block_size: int) -> list[tuple]:
+        """Refuse rows the bucket cannot hold, before anything is staged; each row's arrays (numpy views)."""
         if len(rows) > bucket.rows:
             raise RequestError(f"{len(rows)} rows exceed bucket {bucket} ({bucket.rows} rows)")
+        arrays = []
         for r, row in enumerate(rows):
-            if row.num_tokens > bucket.tokens:
+            table, managed, pos, ends = (x.numpy() for x in (row.table, row.managed, row.positions, row.visible_end))
+            if len(pos) > bucket.tokens:
                 raise RequestError(
-                    f"row {r} has {row.num_tokens} tokens, beyond bucket {bucket} ({bucket.tokens}); "
+                    f"row {r} has {len(pos)} tokens, beyond bucket {bucket} ({bucket.tokens}); "
                     "add a larger bucket to the config"
                 )
-            if row.num_blocks > width:
+            if len(table) > width:
                 raise RequestError(
-                    f"row {r} needs {row.num_blocks} blocks, beyond bucket {bucket}'s table width {width}; "
+                    f"row {r} needs {len(table)} blocks, beyond bucket {bucket}'s table width {width}; "
                     "add a bucket with a larger context"
                 )
+            if len(pos) and pos.max() >= len(table) * block_size:
+                raise RequestError(
+                    f"row {r} writes logical position {int(pos.max())} but its block table covers "
+                    f"{len(table) * block_size} positions: the plan's layout is inconsistent"
+                )
+            arrays.append((table, managed, pos, ends))
+        return arrays

@@ -43,10 +43,10 @@ def test_version_and_help(capsys):
 
 
 def test_demo_dreamzero_json(capsys):
-    code, out, err = _run(capsys, "demo", "--json", "--quiet")
+    code, out, err = _run(capsys, "demo", "--json", "--quiet", "--size", "tiny")
     assert code == 0, err
     report = json.loads(out)
-    assert report["model"] == "dreamzero" and report["inner_compiler"] == "aot_eager"
+    assert report["model"] == "dreamzero" and report["inner_compiler"] == "aot_eager" and report["size"] == "tiny"
     assert report["parity"]["ok"] and report["parity"]["max_abs_diff"] <= 1e-5
     assert report["buckets_used"] == [{"rows": 2, "tokens": 37, "context": 96}]
     assert report["compiled_frames"] == 1 and report["recompiles_beyond_one_per_bucket"] == 0
@@ -56,16 +56,29 @@ def test_demo_dreamzero_json(capsys):
     assert kv["paged_pool"] == kv["paged_history_blocks"] + kv["paged_scratch_and_pad"]
     assert kv["dense_caches_peak"] == 4 * 2 * 2 * 96 * 4 * 16 * 4  # layers x K,V x rows x window x H x D x fp32
     t = report["time_per_forward_ms"]
-    assert t["dense_eager"] > 0 and t["paged_compiled"] > 0 and t["forwards"] == 38
+    assert t["dense_compiled"] > 0 and t["paged_compiled"] > 0 and t["forwards"] == t["dense_forwards"] == 38
+    # like with like: the timed dense loop ran compiled (one frame per cache length: 0, 32, 64, 96 tokens), with the
+    # paged path's inner compiler, and neither path compiled while it was timed
+    assert report["dense_compiled_frames"] == 4 and t["compiles_while_timed"] == 0
+    assert "both paths compiled regionally with aot_eager" in t["measures"]
 
 
 def test_demo_hunyuan_text(capsys):
-    code, out, err = _run(capsys, "demo", "--model", "hunyuan-image3", "--quiet")
+    code, out, err = _run(capsys, "demo", "--model", "hunyuan-image3", "--quiet", "--size", "tiny")
     assert code == 0, err
     assert "parity: max |dense - paged|" in out and "(ok," in out
     assert "shape buckets used: 4 of 4" in out
     assert "compiled frames: 4 (recompiles beyond one per bucket: 0; while serving: 0)" in out
-    assert "KV bytes reserved: paged pool" in out and "time per forward: dense eager" in out
+    assert "KV bytes reserved: paged pool" in out
+    assert "time per forward, both compiled with aot_eager and warmed up: dense" in out and "x dense" in out
+    assert "fixed per-call costs dominate" in out, "a tiny run says its times are not the comparison"
+
+
+def test_demo_times_a_mid_size_model_by_default():
+    args = cli.build_parser().parse_args(["demo"])
+    assert args.size == "mid"
+    setup = cli._setup("dreamzero", "reference", "aot_eager", "cpu", short=True, size=args.size)
+    assert setup.model.cfg.dim == 512 and setup.dense_model.cfg == setup.model.cfg
 
 
 def test_demo_exits_nonzero_when_parity_fails(capsys, monkeypatch):
@@ -77,7 +90,7 @@ def test_demo_exits_nonzero_when_parity_fails(capsys, monkeypatch):
         return s
 
     monkeypatch.setattr(cli, "_setup", broken)
-    code, out, _ = _run(capsys, "demo", "--quiet")
+    code, out, _ = _run(capsys, "demo", "--quiet", "--size", "tiny")
     assert code == 1 and "FAILED" in out
 
 

@@ -56,7 +56,8 @@ def test_buffers_keep_their_addresses_and_every_layer_gets_its_own_slots():
                 slots, table = expected_layer_metadata(rt.pool, rows, layer, active.bucket.tokens, meta.width)
                 assert torch.equal(meta.slot_mapping[layer], slots), f"layer {layer}'s slots"
                 assert torch.equal(meta.block_table[layer], table), f"layer {layer}'s block table"
-                assert meta.layers[layer].slot_mapping.data_ptr() == meta.slot_mapping[layer].data_ptr()
+                assert torch.equal(meta.layers[layer].slot_mapping, slots)
+                assert torch.equal(meta.layers[layer].block_table, table)
             managed_tokens = sum(int(r.managed[r.positions.clamp(min=0) // B][r.positions >= 0].sum()) for r in rows)
             if managed_tokens:  # the check above can tell layers apart only where tokens land in managed blocks
                 assert not torch.equal(meta.slot_mapping[1], meta.slot_mapping[0])
@@ -116,6 +117,46 @@ def test_metadata_benchmark_runs(capsys):
         ("HunyuanImage-3", "denoising step: repeat"): 0.0,
     }
     assert all(r["h2d_copies_per_forward"] == 0 for r in rows.values()), "CPU metadata: no host-to-device copy"
+    assert all(r["torch_compute_ops_per_build"] == 0 for r in rows.values()), "the host build is numpy only"
+
+
+def test_a_build_dispatches_no_torch_compute_op_and_a_repeat_nothing():
+    """The host build writes the staging buffer with numpy and copies it once: no torch operator that computes
+    (only `aten.detach`, the views `Tensor.numpy()` makes of the plan's row tensors), so nothing in it can wait
+    on torch's intra-op thread pool; a repeated layout dispatches nothing at all."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from metadata_cost import OpCounter
+
+    rt = runtime()
+    rt.open_session("s", SPEC, rows=2)
+    for commit in (True, False):
+        plan = rt.scheduler.plan_dreamzero("s", commit=commit)
+        bucket = rt.bucket_for(len(plan.rows), plan.tokens, plan.context)
+        rt.metadata.buffers(bucket)  # its padding state is built outside the count
+        with OpCounter() as fresh:
+            rt.metadata.build(bucket, plan.rows, plan.key)
+        assert fresh.compute == [], f"a {'commit' if commit else 'denoise'} build dispatched {fresh.compute}"
+        assert len(fresh.ops) == 4 * len(plan.rows), "one view per row tensor (table, managed, positions, ends)"
+        rt.scheduler.finish_forward(plan)
+    copies = rt.metadata.copies
+    plan = rt.scheduler.plan_dreamzero("s", commit=False)
+    with OpCounter() as repeat:
+        rt.metadata.build(bucket, plan.rows, plan.key)
+    assert repeat.ops == [] and rt.metadata.copies == copies, "a repeated denoise layout: no op, no copy"
+
+
+def test_what_the_host_stages_does_not_grow_with_the_layer_count():
+    """Per-layer ids are computed in the compiled graph from one base per layer (metadata.layer_metadata), so
+    the buffers the host writes and copies are the same size for 3 layers and for 40."""
+    sizes = {}
+    for layers in (3, 40):
+        cfg = PagedKVConfig(num_layers=layers, num_kv_heads=1, head_dim=4, block_size=B, blocks_per_layer=32,
+                            max_rows=2, scratch_tokens_per_row=32)
+        rt = PagedKVRuntime(cfg)
+        meta = rt.metadata.buffers(Bucket(2, SPEC.tokens_per_forward, SPEC.window_tokens))
+        sizes[layers] = (meta.host_buffer.numel(), meta.device_buffer.numel())
+        assert len(meta.layers) == layers and meta.block_bases.shape == (layers,)
+    assert sizes[3] == sizes[40]
 
 
 class FakeStream:
@@ -178,7 +219,7 @@ def test_staging_buffer_is_never_written_while_a_copy_out_of_it_is_pending():
     meta = builder.buffers(bucket)
     meta.new_event = stream.event
     delivered = []
-    run_copy = meta.copy_and_expand
+    run_copy = meta.copy_in
 
     def deferred(host):
         FakeEvent.counter += 1
@@ -191,7 +232,7 @@ def test_staging_buffer_is_never_written_while_a_copy_out_of_it_is_pending():
         stream.pending.append((n, f"copy {n}", work))
         stream.log.append(f"enqueue copy {n}")
 
-    meta.copy_and_expand = deferred
+    meta.copy_in = deferred
     for plan in plans:  # the host builds every forward's metadata without waiting for the device
         builder.build(bucket, plan.rows)
     stream.drain()

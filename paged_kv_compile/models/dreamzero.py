@@ -156,6 +156,14 @@ class DreamZeroConfig:
 
 # Real DreamZero-14B (Wan-2.1 14B backbone). Window/chunk numbers are the configuration the
 # families note describes (880 tokens per stitched frame, 32 action + 1 state registers).
+#: Mid-size DreamZero (benchmarks, the demo's timing): dim 512 (8 heads x 64), 64 tokens per frame, chunk 2
+#: frames, window 8 frames, 33 action/state registers as in the real model.
+DREAMZERO_MID = DreamZeroConfig(
+    num_layers=4, dim=512, num_heads=8, head_dim=64, ffn_dim=1536, frame_seqlen=64, num_frame_per_block=2,
+    local_attn_size=8, window_reset_frames=16, action_register_length=33, text_len=32, text_dim=256,
+    in_channels=16, action_dim=32, freq_dim=64,
+)
+
 DREAMZERO_14B = DreamZeroConfig(
     num_layers=40,
     dim=5120,

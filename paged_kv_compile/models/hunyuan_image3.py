@@ -94,6 +94,12 @@ class HunyuanImage3Config:
 # Released HunyuanImage-3.0 attention geometry: 1024x1024 -> 64x64 latent tokens (VAE /16, 32
 # channels); timestep + image = 4097 tokens, target_len 4098 with the tail token. The released MLP is
 # a 64-expert MoE (expert width 3072); here a dense MLP of that width stands in.
+#: Mid-size HunyuanImage-3 (benchmarks, the demo's timing): hidden 512, 8/2 heads x 64, image 16x16 (target 258).
+HUNYUAN_IMAGE3_MID = HunyuanImage3Config(
+    num_layers=4, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate=1536, vocab=1024,
+    latent_channels=16, image_h=16, image_w=16,
+)
+
 HUNYUAN_IMAGE3 = HunyuanImage3Config(
     num_layers=32,
     hidden=4096,

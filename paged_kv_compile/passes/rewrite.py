@@ -3,9 +3,11 @@
 Runs on a copy of dynamo's graph. For each SDPA node whose keys read a cache stand-in (or whose keys
 are stored into one), a family idiom must match; the site becomes ``write_attend(q, k_new, v_new,
 pool, slot_mapping, block_table, seq_lens, kv_visible_end)`` with the pool and metadata added as
-extra placeholders (and the pool's scales, ``kv_scales=``, when it stores FP8: pool.py). Stores into
-stand-ins are dropped (the op writes the pool), returned caches become stand-ins again, and a graph
-that still reads a stand-in afterwards is an error: it would compute on zeros.
+extra placeholders (and the pool's scales, ``kv_scales=``, when it stores FP8: pool.py); the layer's slot
+mapping and block table are computed in the graph from the shared metadata and one per-layer base
+(`metadata.py: layer_metadata`). Stores into stand-ins are dropped (the op writes the pool), returned caches
+become stand-ins again, and a graph that still reads a stand-in afterwards is an error: it would compute on
+zeros.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PassError
+from ..metadata import layer_metadata
 from .. import families
 from ..families.base import Expectation
 from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, movement_replay, to_bshd
@@ -194,14 +197,19 @@ def rewrite(
     return result
 
 
+#: Metadata placeholders shared by every site of a graph, after pool, seq_lens, kv_visible_end (and the FP8
+#: scales); each site then gets its layer's block base. `backend.py` appends the tensors in this order (metadata.py).
+SHARED_METADATA = ("paged_kv_positions", "paged_kv_table0", "paged_kv_table_managed")
+
+
 def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: PassResult,
                 kv_scales: bool = False) -> None:
     last = placeholders[-1]
     shared = ["paged_kv_pool", "paged_kv_seq_lens", "paged_kv_visible_end"] + (["paged_kv_kv_scales"] if kv_scales else [])
     with graph.inserting_after(last):
         extra_nodes = []
-        for name in shared + [
-            f"paged_kv_{kind}_{i}" for i in range(len(matched)) for kind in ("slot_mapping", "block_table")
+        for name in shared + list(SHARED_METADATA) + [
+            f"paged_kv_block_base_{i}" for i in range(len(matched))
         ]:
             extra_nodes.append(graph.placeholder(name))
     # graph.placeholder inserts each after `last` in reverse order: put them in call order.
@@ -212,11 +220,18 @@ def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: Pas
     pool, seq_lens, visible = extra_nodes[:3]
     scales = {"kv_scales": extra_nodes[3]} if kv_scales else {}
     base = len(shared)
+    positions, table0, table_managed = extra_nodes[base : base + len(SHARED_METADATA)]
+    base += len(SHARED_METADATA)
     index_of = {n: i for i, n in enumerate(placeholders)}
     for i, (site, match, weight) in enumerate(matched):
-        slot, table = extra_nodes[base + 2 * i], extra_nodes[base + 1 + 2 * i]
+        block_base = extra_nodes[base + i]
         node = site.node
         with graph.inserting_before(node):
+            # This layer's slots and block table from the shared metadata and its base: computed here, on the
+            # device and inside a captured graph, instead of per layer and per token by the host (metadata.py).
+            block_size = graph.call_method("size", (pool, 2))  # the pool is [2, blocks, block_size, H, D]
+            meta = graph.call_function(layer_metadata, (positions, table0, table_managed, block_base, block_size))
+            slot, table = (graph.call_function(operator.getitem, (meta, j)) for j in range(2))
             q, k, v = (_concat(graph, [to_bshd(graph, s.use, s.start, s.stop) for s in uses]) for uses in (site.q_new, site.k_new, site.v_new))
             d = example(node).shape[-1]
             scale = site.args["scale"] if site.args["scale"] is not None else float(d) ** -0.5
