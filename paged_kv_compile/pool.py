@@ -10,7 +10,7 @@ FP8 pools (``kv_dtype`` float8_e4m3fn / float8_e5m2) carry ``scales`` ``[2, num_
 float32 (K, V): one static scale per (layer, kv head), stored in each of the layer's blocks so that the
 op finds it from a block id, without a layer index, a graph break or a host read. The op quantizes a
 row's new K/V with the scales of the row's first table block and dequantizes the row with the same ones
-(``ops/reference.py``, ``row_scales``): the row's blocks of one layer share one scale, and scratch blocks
+(``ops/fp8.py``, ``row_scales``): the row's blocks of one layer share one scale, and scratch blocks
 (shared by all layers, written and read within one call) hold the per-head maximum over layers.
 Why this granularity:
   * FP8 is a float format: a scale only places the range (e4m3: 448 down to 2**-6 at full precision,
