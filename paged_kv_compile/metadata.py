@@ -120,6 +120,7 @@ class BucketMetadata:
         self._pad_block = pool.pad_block
         self._used = [(T, M)] * 2  # per staging buffer: the (tokens, blocks) extent its last upload wrote
         self.staged_extent = (T, M)
+        self.written = (T, M)  # what the next upload's buffer holds beyond padding (set by the caller)
         #: Makes the event recorded after each copy (None: copies are synchronous). Tests swap in fakes.
         self.new_event = torch.cuda.Event if device.type == "cuda" else (lambda: None)
         self._copy_done: list = [None, None]  # per staging buffer: the event of the last copy out of it
@@ -152,6 +153,8 @@ class BucketMetadata:
             done.synchronize()
             self._copy_done[self._current] = None
         self.staged_extent = self._used[self._current]
+        # Until the upload records what was written, assume everything may be (a write that raised half-way).
+        self._used[self._current] = (self.bucket.tokens, self.width)
         return self._host[self._current]
 
     def pad_rows(self, host: list[np.ndarray], row: int, tokens: tuple[int, int], blocks: tuple[int, int]) -> None:
@@ -172,15 +175,18 @@ class BucketMetadata:
         for r in range(self.bucket.rows):
             self.pad_rows(host, r, (0, self.bucket.tokens), (0, self.width))
         host[3][:] = 0
-        self.upload((0, 0))
+        self.written = (0, 0)
+        self.upload()
         self.last_key = ()
 
-    def upload(self, used: tuple[int, int] | None = None) -> None:
+    def upload(self) -> None:
         """The forward's one host-to-device copy from the buffer :meth:`stage` handed out, and its event.
 
-        `used`: the (tokens, blocks) extent the forward wrote; the next :meth:`stage` of this buffer resets only that.
+        `written` is the (tokens, blocks) extent per row the caller wrote (default: everything); the next
+        :meth:`stage` of this buffer reports it as `staged_extent`, so only that is reset to padding.
         """
-        self._used[self._current] = used if used is not None else (self.bucket.tokens, self.width)
+        self._used[self._current] = self.written
+        self.written = (self.bucket.tokens, self.width)
         self.copy_in(self._host_tensors[self._current])
         self.copies += 1
         self._copy_done[self._current] = self.new_event()
@@ -255,7 +261,8 @@ class MetadataBuilder:
             seq[r] = rows[r].seq_len
             meta.pad_rows(host, r, (t, tp), (m, mp))
             used_t, used_m = max(used_t, t), max(used_m, m)
-        meta.upload((used_t, used_m))
+        meta.written = (used_t, used_m)
+        meta.upload()
         self.builds += 1
         meta.last_key = key
         return meta
