@@ -33,3 +33,20 @@ def pytest_runtest_makereport(item, call):
         "no device: install what it needs (bash .ci/run builds the locked environment)"
     )
     return report
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: frame and recompile counts see only its compiles.
+
+    Test modules that compile opt in with ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def no_grad():
+    """The test runs under ``torch.no_grad()``, as inference does (opt in like `fresh_dynamo`)."""
+    with torch.no_grad():
+        yield

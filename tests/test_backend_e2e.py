@@ -29,11 +29,7 @@ ATOL = 1e-5
 DZ_CFG = DreamZeroConfig(sink_size=2)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _dreamzero_pair(cfg: DreamZeroConfig, inner: str, num_chunks: int, steps: int = 3):

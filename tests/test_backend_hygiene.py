@@ -19,11 +19,7 @@ from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.scheduler import DreamZeroSpec
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_backend_is_registered_through_the_entry_point_without_import():

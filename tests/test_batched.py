@@ -21,12 +21,7 @@ from paged_kv_compile.scheduler import HunyuanSpec
 INVARIANCE_TOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with torch.no_grad():
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "no_grad")
 
 
 def batched_call(rt, model, sids, inputs, start, commit, t=0.0):

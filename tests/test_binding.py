@@ -20,11 +20,7 @@ CFG = DreamZeroConfig(num_layers=3)
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Harness:

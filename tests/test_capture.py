@@ -41,11 +41,7 @@ HY_CFG = HunyuanImage3Config()
 CAPACITY = 12
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _unique_graphs() -> int:

@@ -17,11 +17,7 @@ from paged_kv_compile.runtime import PagedKVRuntime
 CFG = DreamZeroConfig(sink_size=2)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _short_rollout(options: dict) -> None:

@@ -84,11 +84,7 @@ def device_path(monkeypatch):
     monkeypatch.setattr(reference, "write_kv", _guarded(reference.write_kv))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_the_guard_catches_the_cpu_fast_path(device_path, monkeypatch):

@@ -14,11 +14,7 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _main(name: str):

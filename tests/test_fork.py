@@ -27,12 +27,7 @@ SPEC = DreamZeroSpec.from_model_config(CFG)
 ALLOCATORS = ["builtin", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with torch.no_grad():
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "no_grad")
 
 
 def make_runtime(allocator: str = "builtin", sessions: int = 4, max_rows: int = 2, **kw) -> PagedKVRuntime:

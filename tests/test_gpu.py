@@ -45,6 +45,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (CUDA or DRY), reason="needs a CUDA device (PAGED_KV_GPU_DRY_RUN=1: CPU dry run)"),
+    pytest.mark.usefixtures("fresh_dynamo"),
 ]
 INNER = "aot_eager" if DRY else "inductor"
 FP32_ATOL = 1e-5 if DRY else 1e-4  # fp32 SDPA on a GPU reorders its sums; the CPU oracle holds to 1e-5
@@ -64,13 +65,6 @@ def record(name: str, **figures) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"test": name, "device": DEVICE, **figures}) + "\n")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.fixture

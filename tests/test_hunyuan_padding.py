@@ -31,11 +31,7 @@ ATOL = 1e-5
 CFG = HunyuanImage3Config()
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @dataclass

@@ -27,11 +27,7 @@ from paged_kv_compile.runtime import PagedKVRuntime
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class SDPAWrapper(torch.nn.Module):

@@ -50,12 +50,7 @@ BASE = dict(num_layers=3, num_kv_heads=2, head_dim=8, block_size=B, blocks_per_l
             scratch_tokens_per_row=16)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with torch.no_grad():
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "no_grad")
 
 
 # ---- a runtime in use ------------------------------------------------------------------------------------

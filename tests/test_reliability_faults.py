@@ -171,12 +171,7 @@ class Checkpoints:
 
 
 # ---- setups ----------------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with torch.no_grad():
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "no_grad")
 
 
 def paged_dreamzero(model=None, *, sessions: int = 1, blocks_per_layer: int | None = None, max_sessions=None,

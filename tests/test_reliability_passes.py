@@ -46,11 +46,7 @@ HY_CFG = hy.HunyuanImage3Config(num_layers=2, image_h=2, image_w=3)
 HY_CAPACITY = 9
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 # ---- DreamZero pieces ------------------------------------------------------------------------------------

@@ -51,12 +51,7 @@ HY_CFG = HunyuanImage3Config(num_layers=2, image_h=2, image_w=2)
 HY_CAPACITY = 8
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with torch.no_grad():
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "no_grad")
 
 
 class Flaky(torch.nn.Module):

@@ -24,11 +24,7 @@ START_FRAME_IS_A_VALUE = "L['current_start_frame']"  # torch.compiler.config.dyn
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _pair(omni, inner: str, calls: int, **model_kw):

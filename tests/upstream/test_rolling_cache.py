@@ -22,11 +22,7 @@ from .self_forcing import RollingSelfAttention, WindowSelfAttention
 FRAME, WINDOW_FRAMES, BLOCK_FRAMES, BLOCKS, STEPS = 8, 3, 1, 6, 2
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _inputs(seed: int = 0):

@@ -26,11 +26,7 @@ CFG = th.TinyConfig()
 LAYERS, HW, STEPS = 2, 4, 3
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _request(lens, seed: int = 0):

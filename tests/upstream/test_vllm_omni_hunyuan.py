@@ -21,11 +21,7 @@ from paged_kv_compile.adapters import vllm_omni_hunyuan
 LAYERS, HW, LENS, STEPS = 2, (2, 2), (7, 4), 3
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _request(seed: int = 3):
