@@ -95,7 +95,7 @@ def timing(cfg: DreamZeroConfig, ks: list[int], repeats: int) -> tuple[list[dict
         rows.append({"K": K, "rows": 2 * K, "batched_ms": med(times["batched"]),
                      "sequential_ms": med(times["sequential"]), "ratio": summarize(ratios, 2)["median"],
                      "ratio_iqr": f"{summarize(ratios, 2)['q1']}-{summarize(ratios, 2)['q3']}"})
-    for sid in list(rt.scheduler.owners):
+    for sid in rt.owner_ids():
         rt.close_session(sid)
     return rows, bytes_row
 

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{worst:.2g}")
         print("candidate scores: " + ", ".join(f"{s:.4f}" for s in scores) + f"; best candidate: {best}")
 
-        for sid in list(runtime.scheduler.owners):
+        for sid in runtime.owner_ids():
             runtime.close_session(sid)
     total = runtime.pool.blocks_per_layer
     print(f"blocks free again: {runtime.scheduler.allocator.num_free} of {total}")

@@ -19,7 +19,7 @@ from .allocator import make_allocator
 from .config import Bucket, PagedKVConfig
 from .errors import RequestError
 from . import families
-from .families.base import ForwardPlan
+from .families.base import ForwardPlan, Owner
 from .families.dreamzero import DreamZeroSpec
 from .families.hunyuan_image3 import HunyuanSpec, prefix_capacity_for
 from .layout import allowed_keys, mask_disagreement
@@ -221,7 +221,7 @@ class PagedKVRuntime:
         if expect is None:
             return
         for plan in self.require_active().plan.owner_plans():
-            owner = self.scheduler.owners.get(plan.owner_id)
+            owner = self.owner(plan.owner_id)
             if owner is None:
                 continue
             if expect.family != owner.family:
@@ -291,6 +291,14 @@ class PagedKVRuntime:
         binding.unbind_runtime(self)
 
     # ---- introspection ------------------------------------------------------------------------
+    def owner(self, owner_id: str) -> Owner | None:
+        """The live session or request `owner_id` (spec, rows of block ids), or None: read it, do not change it."""
+        return self.scheduler.owners.get(owner_id)
+
+    def owner_ids(self) -> list[str]:
+        """Ids of the live sessions and requests, least recently used first."""
+        return list(self.scheduler.owners)
+
     def state(self) -> dict:
         """A comparable snapshot of everything admission and forwards may change."""
         alloc = self.scheduler.allocator

@@ -85,7 +85,7 @@ class HunyuanAdapter:
     @contextlib.contextmanager
     def forward(self, request_id: str, *, phase: str, attention_mask: torch.Tensor | None = None) -> Iterator[None]:
         """One model forward of `request_id` ("prefill" = the pipeline's first_step, else "step")."""
-        owner = self.runtime.scheduler.owners.get(request_id)
+        owner = self.runtime.owner(request_id)
         if owner is None:
             raise RequestError(f"unknown request {request_id!r}: admit it with runtime.admit_request(rid, spec) first")
         for manager in self.managers:
