@@ -140,10 +140,13 @@ def _paged_runner(case_pool: KVPool, meta, q, k, v, layers: int, visibility: str
 
     def make(kernel: str) -> Callable[[], list]:
         def run() -> list:
-            return [torch.ops.paged_kv.write_attend(q, k, v, case_pool.tensor, meta.layers[l].slot_mapping,
-                                                    meta.layers[l].block_table, meta.seq_lens, meta.kv_visible_end,
-                                                    scale, kernel=kernel, visibility=visibility)
-                    for l in range(layers)]
+            outs = []
+            for l in range(layers):  # each layer's slots and table computed once, as the compiled graph does
+                slots, table = meta.layers[l].tensors()
+                outs.append(torch.ops.paged_kv.write_attend(q, k, v, case_pool.tensor, slots, table, meta.seq_lens,
+                                                            meta.kv_visible_end, scale, kernel=kernel,
+                                                            visibility=visibility))
+            return outs
         return run
 
     return make

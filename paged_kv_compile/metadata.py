@@ -70,17 +70,18 @@ class LayerViews:
         self.meta, self.layer = meta, layer
         self.block_base = meta.block_bases[layer]  # int32 0-d: layer * blocks_per_layer
 
-    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_mapping, block_table) of this layer, computed together (each property below computes both)."""
         m = self.meta
         return layer_metadata(m.positions, m.table0, m.table_managed, self.block_base, m.block_size)
 
     @property
     def slot_mapping(self) -> torch.Tensor:  # int64 [R, T]
-        return self._views()[0]
+        return self.tensors()[0]
 
     @property
     def block_table(self) -> torch.Tensor:  # int32 [R, M]
-        return self._views()[1]
+        return self.tensors()[1]
 
 
 class BucketMetadata:

@@ -2,8 +2,9 @@
 
 It is the oracle the other kernels are tested against. Attention gathers whole blocks of the row's
 table (`index_select` on the block axis), measured faster than per-token gathers during the design, and
-runs SDPA under a boolean mask built from `kv_visible_end` and `seq_lens`. Nothing here reads a
-value on the host, so the same code is safe under CUDA graphs.
+runs SDPA under a boolean mask built from `kv_visible_end` and `seq_lens`. On a device nothing here
+reads a value on the host, so the same code is safe under CUDA graphs; on CPU tensors it reads lengths
+and valid slots on the host to skip padding work (`HOST_LENGTHS_ON_CPU`).
 """
 
 from __future__ import annotations
@@ -25,26 +26,38 @@ def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
 
     FP8 pools: each token is quantized with its row's scales ``row_scales [2, R, Hkv]`` (ops/fp8.py).
 
-    Without a host sync: a -1 token is redirected to the first valid token of the call and writes that
-    token's own row again (duplicates of identical values are harmless). If no token is valid, every
-    token writes slot 0's current content back onto itself.
+    On a device, without a host sync: a -1 token is redirected to the first valid token of the call and
+    writes that token's own row again (duplicates of identical values are harmless). If no token is
+    valid, every token writes slot 0's current content back onto itself. On CPU tensors (as in `attend`,
+    `HOST_LENGTHS_ON_CPU`) nothing is captured, so the valid tokens are read on the host and copied
+    directly: no redirect, no blend with the old content (that blend was most of the op's CPU cost).
     """
     _, N, B, H, D = kv_pool.shape
     # FP8 pools are moved as their bytes: index_copy_/where have no float8 kernels.
     flat = (kv_pool if row_scales is None else kv_pool.view(torch.uint8)).view(2, N * B, H, D)
     slots = slot_mapping.reshape(-1)
     valid = slots >= 0
-    first = torch.argmax(valid.to(torch.int32))  # first valid token, 0 when there is none
-    src = torch.where(valid, torch.arange(slots.numel(), device=slots.device), first)
-    target = slots.index_select(0, src)
-    any_valid = (target >= 0).view(-1, 1, 1)
-    target = target.clamp(min=0)
+    keep = None  # device path: which tokens really write (the others write back what is there)
+    if HOST_LENGTHS_ON_CPU and slots.device.type == "cpu":
+        src = None if bool(valid.all()) else valid.nonzero().squeeze(1)  # None: every token writes
+        target = slots if src is None else slots.index_select(0, src)
+    else:
+        first = torch.argmax(valid.to(torch.int32))  # first valid token, 0 when there is none
+        src = torch.where(valid, torch.arange(slots.numel(), device=slots.device), first)
+        target = slots.index_select(0, src)
+        keep = (target >= 0).view(-1, 1, 1)
+        target = target.clamp(min=0)
     for i, (half, new) in enumerate(((flat[0], key), (flat[1], value))):
-        rows = new.reshape(-1, H, D).index_select(0, src)
+        rows = new.reshape(-1, H, D)
+        if src is not None:
+            rows = rows.index_select(0, src)
         if row_scales is not None:
-            scale = row_scales[i].index_select(0, src // key.shape[1])  # [tokens, Hkv]
-            rows = quantize(rows, scale.unsqueeze(-1), kv_pool.dtype).view(torch.uint8)
-        half.index_copy_(0, target, torch.where(any_valid, rows, half.index_select(0, target)))
+            token_row = (torch.arange(slots.numel(), device=slots.device) if src is None else src) // key.shape[1]
+            rows = quantize(rows, row_scales[i].index_select(0, token_row).unsqueeze(-1), kv_pool.dtype)
+            rows = rows.view(torch.uint8)
+        if keep is not None:
+            rows = torch.where(keep, rows, half.index_select(0, target))
+        half.index_copy_(0, target, rows)
 
 
 def visible_mask(seq_lens: torch.Tensor, kv_visible_end: torch.Tensor, length: int) -> torch.Tensor:
