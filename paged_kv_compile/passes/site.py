@@ -123,9 +123,6 @@ def _store_weight(store: fx.Node, params: set[fx.Node]) -> fx.Node | None:
     return find_parameter(sources, params) if sources else None
 
 
-_STORE_VALUE_ARG = STORE_VALUE_ARG  # (kept for callers of the old name)
-
-
 def _store_problem(store: fx.Node, new_leaves: set[fx.Node]) -> str:
     """Why a store into a stand-in is not a plain copy of the site's new keys/values ("" when it is).
 
@@ -167,9 +164,9 @@ def _read_after_write_refusal(stores: list[fx.Node], why: str) -> str:
     return (
         f"its keys/values are read back from a cache stand-in after an in-place write into it ({stores[0].name}) "
         f"that the pass cannot follow: {why}. A preallocated rolling cache written at [start:end] (CausVid / "
-        "Self-Forcing) pages when its indices are constants or runtime-owned; with indices from .item(), write the "
-        "update as the window idiom instead: new_k = cat([cache_k, k], 1)[:, -window:] (same for v), attend over it "
-        "and return stack([new_k, new_v]); eviction and write positions are the runtime's (docs/models.md)"
+        "Self-Forcing) is not paged as written: write the update as the window idiom instead: new_k = "
+        "cat([cache_k, k], 1)[:, -window:] (same for v), attend over it and return stack([new_k, new_v]); eviction "
+        "and write positions are the runtime's (docs/models.md)"
     )
 
 

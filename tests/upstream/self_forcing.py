@@ -97,3 +97,47 @@ class WindowSelfAttention(RollingSelfAttention):
         new_v = torch.cat([kv_cache[1], v], dim=1)[:, -C:]
         x = F.scaled_dot_product_attention(q.transpose(1, 2), new_k.transpose(1, 2), new_v.transpose(1, 2))
         return self.o(x.transpose(1, 2).flatten(2)), torch.stack([new_k, new_v])
+
+
+class StaticIndexSelfAttention(RollingSelfAttention):
+    """The smallest change that makes every index static: `global_end_index` / `local_end_index` kept as Python
+    ints in the cache dict instead of tensors read with `.item()` (9 lines: the two of the eviction condition,
+    `num_evicted_tokens`, `num_rolled_tokens`, the two `local_end_index` computations, the two `fill_`s).
+    Dense results equal the original's bit for bit; dynamo then compiles one frame per index state."""
+
+    def new_cache(self, batch: int = 1) -> dict:
+        cache = super().new_cache(batch)
+        cache["global_end_index"], cache["local_end_index"] = 0, 0
+        return cache
+
+    def forward(self, x: torch.Tensor, kv_cache: dict, current_start: int) -> torch.Tensor:
+        q, k, v = self.qkv(x)
+        roped_query, roped_key = q, k
+        current_end = current_start + roped_query.shape[1]
+        sink_tokens = self.sink_size * self.frame_seqlen
+        kv_cache_size = kv_cache["k"].shape[1]
+        num_new_tokens = roped_query.shape[1]
+        if self.local_attn_size != -1 and (current_end > kv_cache["global_end_index"]) and (
+                num_new_tokens + kv_cache["local_end_index"] > kv_cache_size):
+            num_evicted_tokens = num_new_tokens + kv_cache["local_end_index"] - kv_cache_size
+            num_rolled_tokens = kv_cache["local_end_index"] - num_evicted_tokens - sink_tokens
+            kv_cache["k"][:, sink_tokens:sink_tokens + num_rolled_tokens] = \
+                kv_cache["k"][:, sink_tokens + num_evicted_tokens:sink_tokens + num_evicted_tokens + num_rolled_tokens].clone()
+            kv_cache["v"][:, sink_tokens:sink_tokens + num_rolled_tokens] = \
+                kv_cache["v"][:, sink_tokens + num_evicted_tokens:sink_tokens + num_evicted_tokens + num_rolled_tokens].clone()
+            local_end_index = kv_cache["local_end_index"] + current_end - kv_cache["global_end_index"] - num_evicted_tokens
+            local_start_index = local_end_index - num_new_tokens
+            kv_cache["k"][:, local_start_index:local_end_index] = roped_key
+            kv_cache["v"][:, local_start_index:local_end_index] = v
+        else:
+            local_end_index = kv_cache["local_end_index"] + current_end - kv_cache["global_end_index"]
+            local_start_index = local_end_index - num_new_tokens
+            kv_cache["k"][:, local_start_index:local_end_index] = roped_key
+            kv_cache["v"][:, local_start_index:local_end_index] = v
+        lo = max(0, local_end_index - self.max_attention_size)
+        x = F.scaled_dot_product_attention(
+            roped_query.transpose(1, 2), kv_cache["k"][:, lo:local_end_index].transpose(1, 2),
+            kv_cache["v"][:, lo:local_end_index].transpose(1, 2)).transpose(1, 2)
+        kv_cache["global_end_index"] = current_end
+        kv_cache["local_end_index"] = local_end_index
+        return self.o(x.flatten(2))

@@ -17,7 +17,7 @@ from paged_kv_compile.config import PagedKVConfig
 from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.families.dreamzero import DreamZeroSpec
 
-from .self_forcing import RollingSelfAttention, WindowSelfAttention
+from .self_forcing import RollingSelfAttention, StaticIndexSelfAttention, WindowSelfAttention
 
 FRAME, WINDOW_FRAMES, BLOCK_FRAMES, BLOCKS, STEPS = 8, 3, 1, 6, 2
 
@@ -91,3 +91,32 @@ def test_rolling_cache_as_written_is_refused():
     partial = torch.compile(module, backend=CountingBackend({"inner_compiler": "aot_eager", "strict": True}))
     with raises_paged(PassError, "read back from a cache stand-in after an in-place write"), torch.no_grad():
         partial(x, cache, 0)
+
+
+def test_rolling_cache_with_static_indices_is_refused_never_wrong():
+    """With its indices made static (Python ints in the cache dict) the rolling cache computes exactly what the
+    original does densely, but the paged pass does not page it yet (its history depends on the fill state):
+    compiled with paged_kv it is refused at the first forward, with the runtime unchanged, never computed on the
+    stand-in."""
+    blocks = _inputs()
+    with torch.no_grad():
+        expected = _rolling_dense(RollingSelfAttention(local_attn_size=WINDOW_FRAMES, frame_seqlen=FRAME), blocks)
+        static = _rolling_dense(StaticIndexSelfAttention(local_attn_size=WINDOW_FRAMES, frame_seqlen=FRAME), blocks)
+    assert all(torch.equal(a, b) for a, b in zip(static, expected)), "the static-index change alters the math"
+    module = StaticIndexSelfAttention(local_attn_size=WINDOW_FRAMES, frame_seqlen=FRAME)
+    rt = PagedKVRuntime(PagedKVConfig(num_layers=1, num_kv_heads=2, head_dim=16, block_size=FRAME,
+                                      blocks_per_layer=WINDOW_FRAMES + 1, max_rows=1,
+                                      scratch_tokens_per_row=BLOCK_FRAMES * FRAME, kernel="reference"))
+    rt.bind([module])
+    rt.open_session("s", DreamZeroSpec(frame_seqlen=FRAME, chunk_frames=BLOCK_FRAMES, window_frames=WINDOW_FRAMES),
+                    rows=1)
+    cache = module.new_cache()
+    kv = rt.standin(2, *cache["k"].shape, writable=True)  # K and V as two views of one stacked stand-in
+    cache["k"], cache["v"] = kv[0], kv[1]
+    compiled = torch.compile(module, backend=CountingBackend({"inner_compiler": "aot_eager", "strict": True}),
+                             fullgraph=True, dynamic=False)
+    before = rt.state()
+    with raises_paged(PassError, "cannot be rewritten"), torch.no_grad():
+        with rt.dreamzero_forward("s", commit=False):
+            compiled(blocks[0][0][0], cache, 0)
+    assert rt.state() == before
