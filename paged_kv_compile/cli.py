@@ -506,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     def common(p, *, default_kernel="reference"):
-        p.add_argument("--model", choices=MODELS, default="dreamzero", help="tiny reference model (default dreamzero)")
+        p.add_argument("--model", choices=MODELS, default="dreamzero", help="reference model family (default dreamzero)")
         p.add_argument("--kernel", choices=KERNELS, default=default_kernel,
                        help=f"attention kernel (default {default_kernel}; auto picks the best available)")
         p.add_argument("--inner-compiler", choices=INNER_COMPILERS, default=DEFAULT_INNER_COMPILER,
@@ -518,7 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="dense vs paged, both compiled the same way, side by side, on a small model")
     common(p)
     p.add_argument("--size", choices=SIZES, default="mid",
-                   help="model size (default mid: dim 512, 8 heads x 64, tens of seconds on a CPU; tiny: seconds)")
+                   help="model size (default mid: dim 512, 8 heads x 64, the size whose times mean something, minutes on a "
+                        "2-core CPU; tiny: dim 64, quicker, but per-call costs dominate its times)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("warmup", help="compile (and on CUDA capture) every shape bucket; per-bucket times")
     common(p)
