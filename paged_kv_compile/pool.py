@@ -31,6 +31,7 @@ import torch
 
 from .config import FP8_DTYPES, PagedKVConfig
 from .errors import ConfigError
+from .ops.fp8 import quantize
 
 
 class KVPool:
@@ -201,6 +202,40 @@ class KVPool:
         blocks = torch.gather(block_table.to(torch.int64), -1, safe // self.block_size)
         slots = blocks * self.block_size + safe % self.block_size
         return torch.where(valid, slots, torch.full_like(slots, -1))
+
+    # ---- write-once regions (regions.py) ------------------------------------------------------------
+    def _region_ids(self, blocks: list[int]) -> torch.Tensor:
+        """Absolute ids ``[num_layers * len(blocks)]`` of local `blocks` in every layer, layer-major."""
+        local = torch.as_tensor(blocks, dtype=torch.int64)
+        return (self.layer_bases[:, None] + local[None, :]).reshape(-1).to(self.tensor.device)
+
+    def to_stored(self, kv: torch.Tensor) -> torch.Tensor:
+        """Per-layer K/V ``(num_layers, 2, tokens, Hkv, D)`` as the pool stores it: its dtype, its device, and for
+        FP8 quantized with each layer's static scales (those of the layer's first block, `set_scales`)."""
+        kv = kv.to(self.tensor.device)
+        if self.scales is None:
+            return kv.to(self.tensor.dtype).contiguous()
+        scale = self.scales[:, self.layer_bases.to(self.scales.device)].transpose(0, 1)  # (L, 2, Hkv)
+        return quantize(kv, scale[:, :, None, :, None], self.tensor.dtype).contiguous()
+
+    def write_region(self, blocks: list[int], stored: torch.Tensor) -> None:
+        """Write stored K/V ``(num_layers, 2, tokens, Hkv, D)`` into local `blocks` of every layer (tokens from
+        offset 0; the unused tail of the last block is zeroed). Host side, once per region."""
+        L, _, T, H, D = stored.shape
+        n = len(blocks)
+        if n * self.block_size < T:
+            raise ConfigError(f"a region of {T} tokens needs {-(-T // self.block_size)} blocks, got {n}")
+        padded = stored.new_zeros(L, 2, n * self.block_size, H, D)
+        padded[:, :, :T] = stored
+        tiles = padded.view(L, 2, n, self.block_size, H, D).transpose(0, 1).reshape(2, L * n, self.block_size, H, D)
+        self.tensor[:, self._region_ids(blocks)] = tiles
+
+    def read_region(self, blocks: list[int], tokens: int) -> torch.Tensor:
+        """What `write_region` stored: ``(num_layers, 2, tokens, Hkv, D)`` in the pool's dtype."""
+        n = len(blocks)
+        tiles = self.tensor[:, self._region_ids(blocks)]  # (2, L * n, block_size, H, D)
+        per_layer = tiles.view(2, self.num_layers, n * self.block_size, self.num_kv_heads, self.head_dim)
+        return per_layer[:, :, :tokens].transpose(0, 1)
 
     def scratch_block_ids(self, row: int) -> torch.Tensor:
         """Absolute ids of local row ``row``'s scratch blocks."""

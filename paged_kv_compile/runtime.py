@@ -256,12 +256,26 @@ class PagedKVRuntime:
                 )
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def admit(self, owner_id: str, spec, rows: int | None = None) -> None:
-        """Admit a session/request of any family (rows: CFG rows; default: what the family says)."""
-        self.scheduler.admit(owner_id, spec, rows)
+    def admit(self, owner_id: str, spec, rows: int | None = None, *, cross_kv: Sequence[torch.Tensor] | None = None,
+              cache_salt: str | bytes | None = None, content_keys: Sequence[str | bytes] | None = None) -> None:
+        """Admit a session/request of any family (rows: CFG rows; default: what the family says).
 
-    def open_session(self, session_id: str, spec: DreamZeroSpec, rows: int = 2) -> None:
-        self.scheduler.open_session(session_id, spec, rows)
+        cross_kv: per layer `(2, rows, tokens, Hkv, D)` write-once K/V (DreamZero's cross-attention, e.g.
+        `model.prepare_cross_kv(...)`), kept in the pool as one shared region per row: sessions of the same
+        `cache_salt` (tenant/user id) with the same content share its blocks by reference count; content is
+        keyed by `content_keys` (one per row, e.g. a hash of the prompt's token ids) or by the K/V bytes, and
+        confirmed byte for byte before anything is shared (`regions.py`).
+        """
+        self.scheduler.admit(owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt,
+                             content_keys=content_keys)
+
+    def open_session(self, session_id: str, spec: DreamZeroSpec, rows: int = 2, *,
+                     cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
+                     content_keys: Sequence[str | bytes] | None = None) -> None:
+        """A DreamZero session of `rows` CFG rows; with `cross_kv` its cross-attention K/V lives in shared
+        write-once regions of the pool (see `admit`)."""
+        self.scheduler.open_session(session_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt,
+                                    content_keys=content_keys)
 
     def reset_window(self, session_id: str) -> None:
         self.scheduler.reset_window(session_id)
@@ -295,6 +309,10 @@ class PagedKVRuntime:
         """The live session or request `owner_id` (spec, rows of block ids), or None: read it, do not change it."""
         return self.scheduler.owners.get(owner_id)
 
+    def regions_of(self, owner_id: str) -> list:
+        """The shared write-once regions (`regions.Region`: blocks, tokens, holders) a live owner holds, per row."""
+        return self.scheduler.regions_of(owner_id)
+
     def owner_ids(self) -> list[str]:
         """Ids of the live sessions and requests, least recently used first."""
         return list(self.scheduler.owners)
@@ -307,6 +325,7 @@ class PagedKVRuntime:
             "num_free": alloc.num_free,
             "finished": dict(self.scheduler.finished),
             "versions": {oid: o.version for oid, o in self.scheduler.owners.items()},
+            "regions": self.scheduler.regions.snapshot(),
             "in_flight": self.scheduler.in_flight is not None,
             "active": self.active is not None,
         }

@@ -22,6 +22,7 @@ from .families.dreamzero import DreamZeroSpec
 from .families.hunyuan_image3 import HunyuanSpec
 from .layout import RowLayout
 from .pool import KVPool
+from .regions import Region, SharedRegions
 
 __all__ = ["Scheduler", "ForwardPlan", "Owner", "DreamZeroSpec", "HunyuanSpec"]
 
@@ -76,6 +77,8 @@ class Scheduler:
         self.in_flight: ForwardPlan | None = None
         #: owners that hold blocks a fork shares (their plans are checked never to write one: `_check_writes`)
         self.sharing: set[str] = set()
+        #: shared write-once regions (cross-attention K/V) and who holds them (`regions.py`)
+        self.regions = SharedRegions()
 
     # ---- the BlockSource the families use -----------------------------------------------------
     @property
@@ -169,6 +172,7 @@ class Scheduler:
         for row in owner.rows:
             self.free(row)
         owner.rows = [[] for _ in owner.rows]
+        self.regions.release(owner.owner_id, self.free)
         del self.owners[owner.owner_id]
         self.sharing.discard(owner.owner_id)
         self.finished[owner.owner_id] = why
@@ -176,11 +180,17 @@ class Scheduler:
             self.finished.popitem(last=False)
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def admit(self, owner_id: str, spec: Any, rows: int | None = None, *, family: str | None = None) -> None:
+    def admit(self, owner_id: str, spec: Any, rows: int | None = None, *, family: str | None = None,
+              cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
+              content_keys: Sequence[str | bytes] | None = None) -> None:
         """Admit a session/request of `spec`'s family with `rows` rows (default: what the spec says).
 
         All rows or none; past `max_sessions` live owners of an LRU-evicting family, the least recently
-        used one is evicted first.
+        used one is evicted first. `cross_kv` (per layer `(2, rows, tokens, Hkv, D)`, e.g. DreamZero's
+        cross-attention K/V) becomes one shared write-once region per row (`regions.py`): a live region of the
+        same `cache_salt` with the same content (`content_keys[row]` if given, else the bytes; the bytes are
+        always compared before sharing) is shared by reference count, else the row's K/V is written once into
+        blocks of its own. The regions and the rows' blocks are taken in one atomic allocation.
         """
         self._check_idle()
         fam = families.for_spec(spec)
@@ -190,12 +200,29 @@ class Scheduler:
         rows = fam.rows(spec, rows)
         self._check_rows(rows)
         counts = fam.admission_blocks(spec, rows, self)
+        if cross_kv is None:
+            if cache_salt is not None or content_keys is not None:
+                raise ConfigError("cache_salt and content_keys key a shared region: pass them with cross_kv")
+            requests = None
+        else:
+            requests = self.regions.requests(self.pool, cross_kv, rows, cache_salt, content_keys)
         if fam.evict_lru and self.max_sessions is not None:
             live = [o for o in self.owners.values() if o.family == fam.name]
             if len(live) >= self.max_sessions:
                 self._release(live[0], "evicted (LRU cap on live sessions)")
-        blocks = self.allocate_rows(counts)
-        self.owners[owner_id] = Owner(owner_id, fam.name, spec, blocks)
+        if requests is None:
+            self.owners[owner_id] = Owner(owner_id, fam.name, spec, self.allocate_rows(counts))
+            return
+        plan = self.regions.resolve(self.pool, requests)  # after any eviction: it may have ended a region
+        taken = self.allocate_rows(counts + plan.new_block_counts(self.block_size))
+        try:
+            self.regions.admit(owner_id, plan, taken[len(counts):], self.pool, self.allocator)
+        except BaseException:
+            for ids in taken:
+                self.free(ids)
+            self.regions.held.pop(owner_id, None)
+            raise
+        self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken[: len(counts)])
 
     def drop_history(self, owner_id: str, *, family: str | None = None) -> None:
         """Free every block of an owner; it stays admitted (a DreamZero window reset)."""
@@ -238,6 +265,7 @@ class Scheduler:
                     )
                 self._release(live[0], "evicted (LRU cap on live sessions)")
         self.allocator.share(shared)
+        self.regions.fork(parent_id, child_id, self.allocator)
         self.sharing.update((parent_id, child_id))
         self.owners[child_id] = Owner(child_id, parent.family, parent.spec, [list(r) for r in parent.rows],
                                       phases_done=set(parent.phases_done), state=state)
@@ -258,7 +286,7 @@ class Scheduler:
         self._check_idle()
         owner = self._get(owner_id, family)
         plan = families.get(owner.family).plan(owner, self, kind, **info)
-        if owner_id in self.sharing:  # ~0.1 ms per row on the host: only where a fork shares blocks
+        if owner_id in self.sharing or self.regions.blocks:  # ~0.1 ms per row on the host: only where blocks are shared
             try:
                 self._check_writes(plan)
             except BaseException:
@@ -270,9 +298,17 @@ class Scheduler:
         return plan
 
     def _check_writes(self, plan: ForwardPlan) -> None:
-        """No forward writes a managed block that another owner also holds (a fork's shared history)."""
+        """No forward writes a managed block that another owner also holds (a fork's shared history) or a block
+        of a write-once region (written at admission only, whoever holds it)."""
         for r, row in enumerate(plan.rows):
             written = row_written_blocks(row, self.block_size)
+            region = [b for b in written if b in self.regions.blocks]
+            if region:
+                raise RequestError(
+                    f"row {r} of this {plan.kind} forward of {plan.owner_id!r} would write blocks {region} of a "
+                    "shared write-once region (cross-attention K/V, written once at admission and only read): a "
+                    "family must write only blocks it took for the forward. Nothing was planned"
+                )
             shared = [b for b in written if self.allocator.refcount(b) > 1]
             if shared:
                 raise RequestError(
@@ -316,7 +352,7 @@ class Scheduler:
                 rows_before = sum(len(p.rows) for p in parts)
                 part = fam.plan(owner, _ScratchRowsFrom(self, rows_before), kind, **info)
                 parts.append(part)
-                if oid in self.sharing:
+                if oid in self.sharing or self.regions.blocks:
                     self._check_writes(part)
             shapes = {(p.tokens, p.context) for p in parts}
             if len(shapes) > 1:
@@ -366,12 +402,18 @@ class Scheduler:
             raise RequestError("this forward plan is not the one in flight (finished twice, or stale)")
 
     def owned_blocks(self) -> dict[str, list[list[int]]]:
-        """Snapshot of ownership (for tests and the state-unchanged checks)."""
+        """Snapshot of ownership (for tests and the state-unchanged checks); regions: `regions_of`."""
         return {oid: [list(r) for r in o.rows] for oid, o in self.owners.items()}
 
+    def regions_of(self, owner_id: str) -> list[Region]:
+        """The shared write-once regions a live owner holds, one per row ([] if it brought none)."""
+        self._get(owner_id)
+        return self.regions.of(owner_id)
+
     # ---- family-named shortcuts (the API the README and benchmarks use) -----------------------
-    def open_session(self, session_id: str, spec: DreamZeroSpec, rows: int = 2) -> None:
-        self.admit(session_id, spec, rows, family="dreamzero")
+    def open_session(self, session_id: str, spec: DreamZeroSpec, rows: int = 2, **regions: Any) -> None:
+        """regions: `cross_kv`, `cache_salt`, `content_keys` (see `admit`)."""
+        self.admit(session_id, spec, rows, family="dreamzero", **regions)
 
     def reset_window(self, session_id: str) -> None:
         self.drop_history(session_id, family="dreamzero")

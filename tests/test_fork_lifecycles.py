@@ -1,9 +1,11 @@
-"""Random lifecycles with forks and batched forwards (hypothesis), on both allocators.
+"""Random lifecycles with forks, batched forwards and shared regions (hypothesis), on both allocators.
 
-Sessions are opened, forked, run alone or as rows of batched forwards (commits and denoising steps whose
-K/V the op really writes into the pool), failed inside the forward, aborted, closed and reset, in any
-order. After every step: each block's refcount is exactly the number of rows holding it (no leak, no
-double free), and no forward changed a byte of a block that more than one row held when it started.
+Sessions are opened (some with cross-attention K/V kept as shared write-once regions, `regions.py`: two tenants,
+two prompts, caller keys that may be forged), forked, run alone or as rows of batched forwards (commits and
+denoising steps whose K/V the op really writes into the pool), failed inside the forward, aborted, closed and
+reset, in any order. After every step: each block's refcount is exactly the number of rows holding it as history
+or region (no leak, no double free), no forward changed a byte of a block that more than one row held when it
+started, and every live region still holds the bytes it was created with.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ SPECS = [
     DreamZeroSpec(frame_seqlen=4, chunk_frames=1, window_frames=3, sink_frames=0, action_tokens=2),
 ]
 MAX_ROWS = 4
+CROSS_TOKENS = 6  # 2 blocks of 4, the last one partly used
+
+
+def _cross_row(seed: int) -> torch.Tensor:
+    """One row's cross K/V of every layer: (layers=2, 2, tokens, 1, 4)."""
+    return torch.randn(2, 2, CROSS_TOKENS, 1, 4, generator=torch.Generator().manual_seed(seed))
+
+
+CROSS = {seed: _cross_row(seed) for seed in range(3)}  # 0: the negative prompt, 1 and 2: two prompts
 
 
 class Injected(RuntimeError):
@@ -40,7 +51,9 @@ class ForkLifecycles(RuleBasedStateMachine):
         self.rt = PagedKVRuntime(cfg, allocator=self.allocator, max_sessions=6)
         self.counter = 0
         self.gen = torch.Generator().manual_seed(0)
-        self.forks = self.batched = self.shared_checked = 0
+        self.forks = self.batched = self.shared_checked = self.regions_opened = 0
+        self.region_bytes: dict[int, torch.Tensor] = {}  # id(Region) -> the bytes it was created with
+        self.tenant_of: dict[str, str | None] = {}  # session -> the cache_salt it (or its fork parent) opened with
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _new_id(self) -> str:
@@ -50,10 +63,13 @@ class ForkLifecycles(RuleBasedStateMachine):
     def _live(self) -> list[str]:
         return list(self.rt.scheduler.owners)
 
+    def _regions(self):
+        return {id(r): r for sid in self._live() for r in self.rt.regions_of(sid)}
+
     def _held(self) -> dict[int, int]:
         held: dict[int, int] = {}
-        for rows in self.rt.scheduler.owned_blocks().values():
-            for row in rows:
+        for sid, rows in self.rt.scheduler.owned_blocks().items():
+            for row in [*rows, *(r.blocks for r in self.rt.regions_of(sid))]:
                 for b in row:
                     held[b] = held.get(b, 0) + 1
         return held
@@ -99,12 +115,30 @@ class ForkLifecycles(RuleBasedStateMachine):
     def open_session(self, spec, rows):
         self._refused(lambda: self.rt.open_session(self._new_id(), spec, rows=rows))
 
+    @rule(spec=st.sampled_from(SPECS), rows=st.integers(1, 2), tenant=st.sampled_from(["t1", "t2"]),
+          prompt=st.sampled_from([1, 2]), keyed=st.booleans(), forged=st.booleans())
+    def open_with_region(self, spec, rows, tenant, prompt, keyed, forged):
+        """rows = [prompt, negative][:rows]; keyed: caller keys, forged: the key names the other prompt."""
+        seeds = [prompt, 0][:rows]
+        cross = [torch.stack([CROSS[s][layer] for s in seeds], dim=1) for layer in range(2)]
+        keys = [f"p{3 - prompt if forged else prompt}", "neg"][:rows] if keyed else None
+        sid = self._new_id()
+        if self._refused(lambda: self.rt.open_session(sid, spec, rows=rows, cross_kv=cross, cache_salt=tenant,
+                                                      content_keys=keys)):
+            return
+        self.regions_opened += 1
+        self.tenant_of[sid] = tenant
+        for r, (region, seed) in enumerate(zip(self.rt.regions_of(sid), seeds)):
+            assert torch.equal(self.rt.pool.read_region(region.blocks, region.tokens), CROSS[seed]), "wrong content"
+            self.region_bytes.setdefault(id(region), CROSS[seed])
+
     @precondition(lambda self: self._live())
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(self._live()))
-        if not self._refused(lambda: self.rt.fork(parent, self._new_id())):
+        parent, child = data.draw(st.sampled_from(self._live())), self._new_id()
+        if not self._refused(lambda: self.rt.fork(parent, child)):
             self.forks += 1
+            self.tenant_of[child] = self.tenant_of.get(parent)
 
     @precondition(lambda self: self._live())
     @rule(data=st.data(), commit=st.booleans(), branch=st.sampled_from([None, 0, 1]), fail=st.booleans())
@@ -133,6 +167,24 @@ class ForkLifecycles(RuleBasedStateMachine):
             assert alloc.refcount(b) == held.get(b, 0), f"block {b}: refcount {alloc.refcount(b)}, held {held.get(b, 0)}"
         assert alloc.num_free == alloc.num_blocks - len(held), "a block leaked"
         assert self.rt.scheduler.in_flight is None and self.rt.active is None
+
+    @invariant()
+    def regions_never_change_and_never_cross_tenants(self):
+        live = self._regions()
+        for key, region in live.items():
+            got = self.rt.pool.read_region(region.blocks, region.tokens)
+            assert torch.equal(got, self.region_bytes[key]), "a region's bytes changed"
+        for key in set(self.region_bytes) - set(live):  # forgotten once nobody holds them (ids may be reused)
+            del self.region_bytes[key]
+        by_block: dict[int, set] = {}
+        tenants: dict[int, set] = {}
+        for sid in self._live():
+            for region in self.rt.regions_of(sid):
+                tenants.setdefault(id(region), set()).add(self.tenant_of[sid])
+                for b in region.blocks:
+                    by_block.setdefault(b, set()).add(id(region))
+        assert all(len(v) == 1 for v in by_block.values()), "two live regions share a block"
+        assert all(len(v) == 1 for v in tenants.values()), "sessions of two tenants hold one region"
 
     def teardown(self):
         for sid in self._live():

@@ -9,6 +9,7 @@ tensor per layer; in paged mode it gets a zero-stride stand-in of that shape.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -134,14 +135,21 @@ def dreamzero_buckets(model_cfg, rows: int | Sequence[int] = 2) -> tuple[Bucket,
 
 
 def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessions: int = 1, rows: int = 2,
-                             **overrides) -> PagedKVConfig:
-    """A pool for `sessions` DreamZero sessions of `rows` CFG rows each (one window per row)."""
-    return pool_config(
+                             cross_regions: int = 0, **overrides) -> PagedKVConfig:
+    """A pool for `sessions` DreamZero sessions of `rows` CFG rows each (one window per row), plus room for
+    `cross_regions` distinct shared cross-attention regions (`regions.py`: one per distinct row content, e.g.
+    2 for one prompt's conditional and negative rows however many sessions share them)."""
+    block_size = block_size or model_cfg.frame_seqlen
+    cfg = pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
-        block_size=block_size or model_cfg.frame_seqlen, owners=sessions, rows=rows,
+        block_size=block_size, owners=sessions, rows=rows,
         tokens_per_row=model_cfg.max_attention_size, scratch_tokens_per_row=model_cfg.tokens_per_forward,
         overrides=overrides,
     )
+    if cross_regions and "blocks_per_layer" not in overrides and "budget_bytes" not in overrides:
+        extra = cross_regions * ceil_div(model_cfg.cross_len, block_size)
+        cfg = dataclasses.replace(cfg, blocks_per_layer=cfg.blocks_per_layer + extra)
+    return cfg
 
 
 def _kept_blocks(spec: DreamZeroSpec, block_size: int) -> tuple[int, int]:
