@@ -9,7 +9,12 @@ is compared before and after, and the allocator's free count) vs what a dense fo
 caches at the same point, measured). Capacity at DREAMZERO_14B sizes is computed from the pool geometry
 (`KVPool.bytes_per_block_all_layers`), not measured.
 
-    python -m benchmarks.fork_candidates [--quick] [--json]
+`--regions`: memory of N sessions sharing one prompt's cross-attention K/V as shared write-once regions
+(`regions.py`) vs each session holding its own, N = 1, 2, 4, 8: measured on a small CPU config (blocks the
+allocator hands out x bytes per block, and the dense `prepare_cross_kv` tensors' bytes), and computed at
+DREAMZERO_14B geometry from the pool geometry (a pool of that size is not allocated).
+
+    python -m benchmarks.fork_candidates [--quick] [--json] [--regions]
 """
 
 from __future__ import annotations
@@ -125,12 +130,71 @@ def capacity(cfg: DreamZeroConfig = DREAMZERO_14B, budget_gib: float = 80.0) -> 
     }
 
 
+REGION_NS = (1, 2, 4, 8)
+
+
+def regions_measured(cfg: DreamZeroConfig = DZ_TINY, ns: tuple[int, ...] = REGION_NS) -> list[dict]:
+    """Per N: KV bytes N sessions of one prompt take for their cross-attention (2 CFG rows: prompt, negative),
+    measured from the allocator (blocks taken x bytes per block) with shared regions (one tenant) and unshared
+    (a tenant each: nothing may be shared), and the dense `prepare_cross_kv` tensors' bytes."""
+    model = DreamZeroModel(cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+    text = torch.randn(1, cfg.text_len, cfg.text_dim, generator=g)
+    image = torch.randn(1, cfg.image_len, cfg.image_dim, generator=g).expand(2, -1, -1) if cfg.image_len else None
+    cross = model.prepare_cross_kv(torch.cat([text, torch.zeros_like(text)]), image)
+    dense_one = sum(t.numel() * t.element_size() for t in cross)
+    spec = DreamZeroSpec.from_model_config(cfg)
+    out = []
+    for n in ns:
+        row = {"N": n, "dense_bytes": n * dense_one}
+        for name, salt in (("shared", lambda i: "tenant"), ("unshared", lambda i: f"tenant-{i}")):
+            pcfg = dreamzero_runtime_config(cfg, sessions=n, cross_regions=2 * n)
+            rt = PagedKVRuntime(pcfg)
+            free = rt.scheduler.allocator.num_free
+            for i in range(n):
+                rt.open_session(f"s{i}", spec, cross_kv=cross, cache_salt=salt(i))
+            row[f"{name}_bytes"] = (free - rt.scheduler.allocator.num_free) * KVPool.bytes_per_block_all_layers(pcfg)
+            row[f"{name}_writes"] = len({id(r) for i in range(n) for r in rt.regions_of(f"s{i}")})
+        out.append(row)
+    return out
+
+
+def regions_14b(cfg: DreamZeroConfig = DREAMZERO_14B, ns: tuple[int, ...] = REGION_NS) -> dict:
+    """The same at DREAMZERO_14B geometry (text 512 + image 257 tokens, bf16), computed from the pool geometry:
+    a region takes ceil(cross_len / block_size) blocks of every layer, one per distinct row content."""
+    pcfg = dreamzero_runtime_config(cfg, dtype=torch.bfloat16)
+    block = KVPool.bytes_per_block_all_layers(pcfg)
+    region = ceil_div(cfg.cross_len, pcfg.block_size) * block
+    dense_one = 2 * 2 * cfg.cross_len * cfg.num_heads * cfg.head_dim * 2 * cfg.num_layers  # K/V, 2 rows, bf16
+    rows = [{"N": n, "dense_gib": round(n * dense_one / GIB, 2), "unshared_gib": round(2 * n * region / GIB, 2),
+             "shared_gib": round(2 * region / GIB, 2), "shared_negative_only_gib": round((n + 1) * region / GIB, 2)}
+            for n in ns]
+    return {"cross_tokens": cfg.cross_len, "block_size": pcfg.block_size, "region_bytes": region,
+            "blocks_per_region": ceil_div(cfg.cross_len, pcfg.block_size), "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, K = 1, 2, few repeats")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: a shared machine)")
+    parser.add_argument("--regions", action="store_true",
+                        help="only the shared cross-attention regions' memory (N sessions of one prompt)")
     args = parser.parse_args(argv)
+    if args.regions:
+        measured, big = regions_measured(), regions_14b()
+        if args.json:
+            print(json.dumps({"config": "DZ_TINY", "measured": measured, "dreamzero_14b": big}, indent=1))
+            return 0
+        print(markdown_table(measured, [("N", "N"), ("dense bytes", "dense_bytes"), ("unshared bytes", "unshared_bytes"),
+                                        ("shared bytes", "shared_bytes"), ("regions written shared", "shared_writes"),
+                                        ("regions written unshared", "unshared_writes")]))
+        print(f"\nDREAMZERO_14B (bf16, {big['cross_tokens']} cross tokens in {big['blocks_per_region']} block(s) of "
+              f"{big['block_size']} tokens per row, computed):")
+        print(markdown_table(big["rows"], [("N", "N"), ("dense GiB", "dense_gib"), ("unshared GiB", "unshared_gib"),
+                                           ("shared GiB", "shared_gib"),
+                                           ("N prompts, shared negative GiB", "shared_negative_only_gib")]))
+        return 0
     cfg, ks, repeats = (DZ_TINY, [1, 2], 2) if args.quick else (DZ_MID, [1, 2, 4, 8], 7)
     with bench_settings(threads=args.threads):
         rows, bytes_row = timing(cfg, ks, repeats)

@@ -237,3 +237,24 @@ def test_shared_region_in_an_fp8_pool_holds_the_quantized_values():
     k = (want[:, 0:1] / scale).to(torch.float8_e4m3fn).float()  # K quantized with each layer's scale
     assert torch.equal(got[:, 0:1], k)
     assert torch.equal(got[:, 1:], want[:, 1:].to(torch.float8_e4m3fn).float())
+
+
+# ---- the benchmark behind docs/benchmarks.md ("Shared cross-attention regions") ---------------------------
+def test_shared_regions_memory_benchmark():
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import fork_candidates
+
+    big = fork_candidates.regions_14b()
+    # 769 cross tokens (512 text + 257 image) fit one 880-token block of 40 layers x 40 heads x 128, K/V, bf16.
+    assert (big["cross_tokens"], big["blocks_per_region"]) == (769, 1)
+    assert big["region_bytes"] == 2 * 40 * 880 * 40 * 128 * 2
+    assert [r["shared_gib"] for r in big["rows"]] == [round(2 * big["region_bytes"] / 2**30, 2)] * 4
+    measured = fork_candidates.regions_measured(ns=(1, 3))
+    assert measured[0]["shared_bytes"] == measured[1]["shared_bytes"] == measured[0]["unshared_bytes"]
+    assert measured[1]["unshared_bytes"] == 3 * measured[0]["unshared_bytes"]
+    assert [m["shared_writes"] for m in measured] == [2, 2] and measured[1]["unshared_writes"] == 6
