@@ -136,15 +136,20 @@ def dreamzero_buckets(model_cfg, rows: int | Sequence[int] = 2) -> tuple[Bucket,
 
 def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessions: int = 1, rows: int = 2,
                              cross_regions: int = 0, **overrides) -> PagedKVConfig:
-    """A pool for `sessions` DreamZero sessions of `rows` CFG rows each (one window per row), plus room for
-    `cross_regions` distinct shared cross-attention regions (`regions.py`: one per distinct row content, e.g.
-    2 for one prompt's conditional and negative rows however many sessions share them)."""
+    """A pool for `sessions` DreamZero sessions of `rows` CFG rows each, sized by what admission checks, plus
+    room for `cross_regions` distinct shared cross-attention regions (`regions.py`: one per distinct row
+    content, e.g. 2 for one prompt's conditional and negative rows however many sessions share them).
+
+    Each row gets `session_blocks_per_row` blocks (the most its loop ever holds, e.g. 18 of a 21-frame window
+    when the loop resets at frame 20), so a pool built here admits exactly `sessions` sessions."""
     block_size = block_size or model_cfg.frame_seqlen
+    tokens_per_row = model_cfg.max_attention_size  # admission refuses a block that does not divide a frame
+    if model_cfg.frame_seqlen % block_size == 0:
+        tokens_per_row = session_blocks_per_row(DreamZeroSpec.from_model_config(model_cfg), block_size) * block_size
     cfg = pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
-        block_size=block_size, owners=sessions, rows=rows,
-        tokens_per_row=model_cfg.max_attention_size, scratch_tokens_per_row=model_cfg.tokens_per_forward,
-        overrides=overrides,
+        block_size=block_size, owners=sessions, rows=rows, tokens_per_row=tokens_per_row,
+        scratch_tokens_per_row=model_cfg.tokens_per_forward, overrides=overrides,
     )
     if cross_regions and "blocks_per_layer" not in overrides and "budget_bytes" not in overrides:
         extra = cross_regions * ceil_div(model_cfg.cross_len, block_size)
