@@ -80,48 +80,50 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> dict:
     return {"max_err": d.max().item(), "mean_err": d.mean().item(), "dense_mean_abs": want.float().abs().mean().item()}
 
 
-def _compile_paged(blocks, rt: PagedKVRuntime) -> None:
-    rt.bind(blocks)
-    for block in blocks:
-        block.compile(backend="paged_kv", fullgraph=True, dynamic=False,
-                      options={"kernel": "reference", "inner_compiler": "aot_eager"})
+def _measure(family: str, make_model, attention, kv_heads: int, layers, run, runtime_config, spec,
+             pools=POOLS) -> list[dict]:
+    """One family's loop run dense (recording K/V amax) and then on a paged runtime per pool.
 
-
-def _set_scales(rt: PagedKVRuntime, kind, amax: torch.Tensor, dtype) -> None:
-    if kind == "calibrated":
-        s = KVPool.scales_from_amax(amax, dtype)
-        rt.pool.set_scales(s[0], s[1])
-
-
-def dreamzero(cfg, chunks: int, steps: int, pools=POOLS) -> list[dict]:
-    """Final video + actions of a `chunks`-chunk rollout, dense bf16 vs each pool."""
-    def model():
-        return DreamZeroModel(cfg, seed=1).eval().to(BF16)
-
-    def run(m, hooks=None):
-        out = dreamzero_rollout(m, num_chunks=chunks, num_inference_steps=steps, seed=0, hooks=hooks)
-        return torch.cat([out["video"].flatten(), out["actions"].flatten()])
-
-    dense_model = model()
-    amax = KVAmax([b.self_attn for b in dense_model.blocks], cfg.num_heads)
+    `attention(model)` lists the self-attention modules (for the amax), `layers(model)` the blocks to compile,
+    `run(model, hooks)` the loop's final outputs, `runtime_config(kv_dtype)` the pool and `spec` the owner's."""
+    dense_model = make_model()
+    amax = KVAmax(attention(dense_model), kv_heads)
     with torch.no_grad(), amax:
-        want = run(dense_model)
+        want = run(dense_model, None)
     amax.close()
     rows = []
     for label, kv_dtype, scales in pools:
         torch._dynamo.reset()
-        m = model()
-        rt = PagedKVRuntime(dreamzero_runtime_config(cfg, sessions=1, kernel="reference", inner_compiler="aot_eager",
-                                                     dtype=BF16, kv_dtype=kv_dtype))
-        _set_scales(rt, scales, amax.amax, kv_dtype)
-        _compile_paged(m.blocks, rt)
-        rt.open_session("s", DreamZeroSpec.from_model_config(cfg), rows=2)
+        m = make_model()
+        rt = PagedKVRuntime(runtime_config(kv_dtype))
+        if scales == "calibrated":
+            s = KVPool.scales_from_amax(amax.amax, kv_dtype)
+            rt.pool.set_scales(s[0], s[1])
+        rt.bind(layers(m))
+        for block in layers(m):
+            block.compile(backend="paged_kv", fullgraph=True, dynamic=False,
+                          options={"kernel": "reference", "inner_compiler": "aot_eager"})
+        rt.admit("owner", spec)
         with torch.no_grad():
-            got = run(m, PagedHooks(rt, "s"))
-        rt.close_session("s")
+            got = run(m, PagedHooks(rt, "owner"))
+        rt.abort("owner")
         rt.close()
-        rows.append({"family": "dreamzero", "pool": label, **_errors(got, want)})
+        rows.append({"family": family, "pool": label, **_errors(got, want)})
     return rows
+
+
+def dreamzero(cfg, chunks: int, steps: int, pools=POOLS) -> list[dict]:
+    """Final video + actions of a `chunks`-chunk rollout (two CFG rows), dense bf16 vs each pool."""
+    def run(m, hooks):
+        out = dreamzero_rollout(m, num_chunks=chunks, num_inference_steps=steps, seed=0, hooks=hooks)
+        return torch.cat([out["video"].flatten(), out["actions"].flatten()])
+
+    return _measure(
+        "dreamzero", lambda: DreamZeroModel(cfg, seed=1).eval().to(BF16),
+        lambda m: [b.self_attn for b in m.blocks], cfg.num_heads, lambda m: m.blocks, run,
+        lambda kv_dtype: dreamzero_runtime_config(cfg, sessions=1, kernel="reference", inner_compiler="aot_eager",
+                                                  dtype=BF16, kv_dtype=kv_dtype),
+        DreamZeroSpec.from_model_config(cfg), pools)
 
 
 def hunyuan(cfg, prompt_lens, capacity: int, steps: int, pools=POOLS) -> list[dict]:
@@ -129,32 +131,15 @@ def hunyuan(cfg, prompt_lens, capacity: int, steps: int, pools=POOLS) -> list[di
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, cfg.vocab, (n,), generator=gen) for n in prompt_lens]
 
-    def model():
-        return HunyuanImage3Model(cfg, seed=2).eval().to(BF16)
-
-    def run(m, hooks=None):
+    def run(m, hooks):
         return hunyuan_generate(m, prompts, prefix_capacity=capacity, num_steps=steps, seed=0, hooks=hooks)
 
-    dense_model = model()
-    amax = KVAmax([layer.self_attn for layer in dense_model.layers], cfg.num_kv_heads)
-    with torch.no_grad(), amax:
-        want = run(dense_model)
-    amax.close()
-    rows = []
-    for label, kv_dtype, scales in pools:
-        torch._dynamo.reset()
-        m = model()
-        rt = PagedKVRuntime(hunyuan_runtime_config(cfg, max_prefix=capacity, requests=1, kernel="reference",
-                                                   inner_compiler="aot_eager", dtype=BF16, kv_dtype=kv_dtype))
-        _set_scales(rt, scales, amax.amax, kv_dtype)
-        _compile_paged(m.layers, rt)
-        rt.admit_request("r", hunyuan_spec(cfg, prompts))
-        with torch.no_grad():
-            got = run(m, PagedHooks(rt, "r"))
-        rt.finish_request("r")
-        rt.close()
-        rows.append({"family": "hunyuan_image3", "pool": label, **_errors(got, want)})
-    return rows
+    return _measure(
+        "hunyuan_image3", lambda: HunyuanImage3Model(cfg, seed=2).eval().to(BF16),
+        lambda m: [layer.self_attn for layer in m.layers], cfg.num_kv_heads, lambda m: m.layers, run,
+        lambda kv_dtype: hunyuan_runtime_config(cfg, max_prefix=capacity, requests=1, kernel="reference",
+                                                inner_compiler="aot_eager", dtype=BF16, kv_dtype=kv_dtype),
+        hunyuan_spec(cfg, prompts), pools)
 
 
 #: --quick: 2-layer models, a 6-frame window cycle, 2 Hunyuan steps (tests/test_fp8_runtime.py's sizes).
