@@ -128,6 +128,29 @@ class DreamZeroExpect:
         return self.window_tokens
 
 
+@dataclass(frozen=True)
+class RollingExpect:
+    """What a compiled frame of a rolling in-place cache with static indices assumes (Self-Forcing's, its
+    indices kept as a fill state; read from the graph by `_match_rolling`).
+
+    The frame reads `history_tokens` cache slots as they were before the forward plus the new chunk; one frame
+    exists per fill state, so the count is a constant of the frame. sink_tokens: the leading run of slots kept
+    when the frame reads a gap after it (an evicting frame); None when it reads one contiguous prefix of the
+    cache (everything the window holds so far), which fits any sink.
+    """
+
+    window_tokens: int
+    sink_tokens: int | None
+    chunk_tokens: int
+    history_tokens: int
+    action_tokens: int = 0
+    family: str = field(default=NAME, init=False)
+
+    @property
+    def context(self) -> int:
+        return self.window_tokens
+
+
 def dreamzero_buckets(model_cfg, rows: int | Sequence[int] = 2) -> tuple[Bucket, ...]:
     """DreamZero's forwards (commit and denoise alike) have one shape per row count."""
     rows = (rows,) if isinstance(rows, int) else tuple(rows)
@@ -338,9 +361,13 @@ class DreamZeroFamily:
     def history_dropped(self, owner: Owner) -> None:
         owner.state.pop("commits", None)
 
-    def check_expectation(self, expect: DreamZeroExpect, owner: Owner, plan: ForwardPlan) -> None:
+    def check_expectation(self, expect: DreamZeroExpect | RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
         spec: DreamZeroSpec = owner.spec
         have = {"window_tokens": spec.window_tokens, "sink_tokens": spec.sink_tokens, **plan.phase}
+        if isinstance(expect, RollingExpect):
+            if expect.sink_tokens is None:
+                del have["sink_tokens"]
+            _check_rolling_history(expect, owner, plan)
         diff = {k: (getattr(expect, k), v) for k, v in have.items() if getattr(expect, k) != v}
         if diff:
             raise RequestError(
@@ -363,6 +390,8 @@ class DreamZeroFamily:
         which tensor they come from: vllm-omni ropes [video | registers] in one call and slices both out of it.
         The runtime's window/sink plan supplies exactly those history positions from the pool.
         """
+        if site.read_back:
+            return _match_rolling(site)
         if site.standin_ndim != 5:
             return "history does not come from a (2, B, L, H, D) cache stand-in"
         if site.args["attn_mask"] is not None or site.args["is_causal"]:
@@ -406,6 +435,56 @@ class DreamZeroFamily:
         cfg = model.cfg
         standin = runtime.standin(2, batch, cfg.max_attention_size, cfg.num_heads, cfg.head_dim)
         return [standin] * cfg.num_layers
+
+
+def _match_rolling(site: Site) -> Match | str:
+    """A rolling in-place cache with static indices (Self-Forcing's `CausalWanSelfAttention` with its indices
+    kept as a fill state, tests/upstream/self_forcing.py: FillStateSelfAttention): the new chunk is written into
+    a preallocated (B, C, H, D) cache at constant slices, possibly after an in-place eviction shift, and attention
+    reads the keys/values back from it.
+
+    Tag execution (passes/common.py: plan_writes) says which cache slots, as they were before the forward, the
+    attention reads: they must be a leading run (the sink, when a gap follows it) and one contiguous run after
+    it, in order, followed by the new chunk. The frame then reads a constant number of history tokens; which
+    tokens those slots hold is the dense driver's state, which the stand-in does not have: the runtime checks at
+    every call that the session's visible history has exactly that many tokens (`_check_rolling_history`).
+    """
+    if site.args["attn_mask"] is not None or site.args["is_causal"]:
+        return "a rolling cache's attention is non-causal and unmasked; this site has a mask or is_causal"
+    if len(site.new_sizes) != 1:
+        return "a rolling-cache frame attends over one new chunk after the cache history"
+    C, chunk, hist = site.store_seq_len, site.new_sizes[0], site.history_positions
+    if site.standin_seq_len and site.standin_seq_len != C:
+        return f"the cache it reads ({site.standin_seq_len} slots) is not the cache it writes ({C} slots)"
+    if site.k_kv_index not in (None, 0) or site.v_kv_index not in (None, 1):
+        return "keys must come from cache[0] and values from cache[1]"
+    sink = 0
+    while sink < len(hist) and hist[sink] == sink:
+        sink += 1
+    rest = hist[sink:]
+    if rest and rest != list(range(rest[0], rest[0] + len(rest))):
+        return ("the cache slots it reads are not a sink followed by one contiguous run: the history it reads "
+                "cannot be the runtime's window (sink + most recent tokens)")
+    if len(hist) + chunk > C:
+        return f"it reads {len(hist)} history tokens plus a {chunk}-token chunk from a {C}-slot cache"
+    expect = RollingExpect(window_tokens=C, sink_tokens=sink if rest else None, chunk_tokens=chunk,
+                           history_tokens=len(hist))
+    return Match("rolling-cache", expect, visibility="full")
+
+
+def _check_rolling_history(expect: RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
+    """The session's visible history (per row of the forward) must be exactly what the frame's fill state reads."""
+    for i, row in enumerate(plan.rows):
+        visible = int(row.positions[0])  # `_row`: the forward's tokens follow the visible history
+        if visible != expect.history_tokens:
+            raise RequestError(
+                f"this rolling-cache frame reads {expect.history_tokens} history tokens (its fill state: the cache "
+                f"dict's local_end_index / new_block) but session {owner.owner_id!r} shows {visible} in row {i} "
+                f"for this {plan.kind} forward: the dense cache dict and the session are out of step (a cache dict "
+                "reused across sessions or window resets, or new_block not set at the start of a block, or a "
+                "commit missing). The forward was refused and rolled back; drive the cache dict and the session "
+                "together (tests/upstream/test_rolling_cache.py shows the protocol)"
+            )
 
 
 def dreamzero_block_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]:

@@ -81,6 +81,10 @@ class Site:
     write_indices: list[tuple[fx.Node, int | None, int]] = field(default_factory=list)
     #: the length of the cache axis such writes address (0 without them)
     written_cache_len: int = 0
+    #: keys/values read back from a stand-in after this graph wrote into it at constant slices (a preallocated
+    #: rolling cache with static indices, Self-Forcing's): `history_positions` are then the cache slots as they
+    #: were BEFORE the forward (followed through the writes and eviction shifts on tags, common.plan_writes)
+    read_back: bool = False
 
 
 def store_nodes(graph: fx.Graph, standins: set[fx.Node]) -> list[fx.Node]:
@@ -123,12 +127,15 @@ def _store_weight(store: fx.Node, params: set[fx.Node]) -> fx.Node | None:
     return find_parameter(sources, params) if sources else None
 
 
-def _store_problem(store: fx.Node, new_leaves: set[fx.Node]) -> str:
+def _store_problem(store: fx.Node, new_leaves: set[fx.Node], followed: set[fx.Node] = frozenset(),
+                   standins: set[fx.Node] = frozenset()) -> str:
     """Why a store into a stand-in is not a plain copy of the site's new keys/values ("" when it is).
 
     The pass drops such stores and the op writes the keys/values the attention reads instead, which is only
     the same when the store writes exactly those tensors (through data movement, optionally zeroed where a
-    row is padding: ``torch.where(valid, key[:, :P], 0)``, as HunyuanImage-3 does).
+    row is padding: ``torch.where(valid, key[:, :P], 0)``, as HunyuanImage-3 does). A store in `followed`
+    (its effect on what the attention reads was followed on tags) may also move stand-in data within the cache
+    (a rolling cache's eviction shift): the history it produces is what the runtime's window supplies.
     """
     name = store_name(store)
     index = STORE_VALUE_ARG.get(name)
@@ -139,6 +146,8 @@ def _store_problem(store: fx.Node, new_leaves: set[fx.Node]) -> str:
             and isinstance(value.args[1], fx.Node) and value.args[2] in (0, 0.0)):
         value = value.args[1]  # zeroing padded positions: they are never read
     leaves, _ = movement_leaves(value)
+    if store in followed and leaves and all(leaf in standins for leaf in leaves):
+        return ""  # an eviction shift inside the cache, read structurally
     if len(leaves) != 1 or leaves[0] not in new_leaves:
         return (
             "it stores something else into the cache than the keys/values it attends with (arithmetic or another "
@@ -164,9 +173,10 @@ def _read_after_write_refusal(stores: list[fx.Node], why: str) -> str:
     return (
         f"its keys/values are read back from a cache stand-in after an in-place write into it ({stores[0].name}) "
         f"that the pass cannot follow: {why}. A preallocated rolling cache written at [start:end] (CausVid / "
-        "Self-Forcing) is not paged as written: write the update as the window idiom instead: new_k = "
-        "cat([cache_k, k], 1)[:, -window:] (same for v), attend over it and return stack([new_k, new_v]); eviction "
-        "and write positions are the runtime's (docs/models.md)"
+        "Self-Forcing) pages when its indices are a fill state the compiled frame is specialized on (local_end_index "
+        "a Python int, a new_block flag instead of absolute indices: docs/models.md), or written as the window "
+        "idiom: new_k = cat([cache_k, k], 1)[:, -window:] (same for v), attend over it and return "
+        "stack([new_k, new_v]); eviction and write positions are then the runtime's (docs/models.md)"
     )
 
 
@@ -253,7 +263,7 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         return "keys and values read different history positions"
     new_leaves = {leaf for leaf, _ in k_new} | {leaf for leaf, _ in v_new}
     for store in my_stores:
-        why = _store_problem(store, new_leaves)
+        why = _store_problem(store, new_leaves, set(written), standins)
         if why:
             return why
     window_new: list[int | None] = []
@@ -298,4 +308,5 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         window_new_tokens=window_new[0],
         write_indices=write_indices,
         written_cache_len=max((length for _, _, length in write_indices), default=0),
+        read_back=bool(written) and not write_indices,
     )

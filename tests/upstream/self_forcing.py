@@ -141,3 +141,66 @@ class StaticIndexSelfAttention(RollingSelfAttention):
         kv_cache["global_end_index"] = current_end
         kv_cache["local_end_index"] = local_end_index
         return self.o(x.flatten(2))
+
+
+class FillStateSelfAttention(RollingSelfAttention):
+    """The static-index form with BOUNDED compiled frames: the cache dict keeps the fill state, not absolute indices.
+
+    `local_end_index` stays a Python int (bounded by the cache size) and `new_block` (a bool) says whether this
+    forward starts a new block (Self-Forcing's `current_end > global_end_index`: the first denoising step of a
+    block; the later steps and the clean/context forward of the same block overwrite its slots).
+    `global_end_index` is gone: with contiguous blocks, as `pipeline/causal_inference.py` drives them,
+    `current_end - global_end_index` is `num_new_tokens` on a new block and 0 otherwise. Dynamo specializes on
+    (`local_end_index`, `new_block`): one frame per fill state, then one steady state once the window is full.
+    `current_start` is no longer read by the attention (the real model's RoPE still reads it: see docs/models.md).
+
+    Changed lines of `RollingSelfAttention.forward` (9, marked `# changed`): the two lines of the eviction
+    condition, `num_evicted_tokens`, `num_rolled_tokens`, the two-line and the one-line `local_end_index`, the
+    two `fill_`s. The driver: the cache dict's two index entries (`new_cache`) and `cache["new_block"] = True` for
+    every layer's cache at the start of each block (`start_block`).
+    """
+
+    def new_cache(self, batch: int = 1) -> dict:
+        cache = super().new_cache(batch)
+        del cache["global_end_index"]
+        cache["local_end_index"], cache["new_block"] = 0, True
+        return cache
+
+    @staticmethod
+    def start_block(cache: dict) -> None:
+        """What the driver does before the first forward of each block (the line it adds to its block loop)."""
+        cache["new_block"] = True
+
+    def forward(self, x: torch.Tensor, kv_cache: dict, current_start: int) -> torch.Tensor:
+        q, k, v = self.qkv(x)
+        roped_query, roped_key = q, k
+        frame_seqlen = self.frame_seqlen
+        current_end = current_start + roped_query.shape[1]  # noqa: F841 (as written; unused here, RoPE reads current_start)
+        sink_tokens = self.sink_size * frame_seqlen
+        kv_cache_size = kv_cache["k"].shape[1]
+        num_new_tokens = roped_query.shape[1]
+        if self.local_attn_size != -1 and kv_cache["new_block"] and (  # changed
+                num_new_tokens + kv_cache["local_end_index"] > kv_cache_size):  # changed
+            num_evicted_tokens = num_new_tokens + kv_cache["local_end_index"] - kv_cache_size  # changed
+            num_rolled_tokens = kv_cache["local_end_index"] - num_evicted_tokens - sink_tokens  # changed
+            kv_cache["k"][:, sink_tokens:sink_tokens + num_rolled_tokens] = \
+                kv_cache["k"][:, sink_tokens + num_evicted_tokens:sink_tokens + num_evicted_tokens + num_rolled_tokens].clone()
+            kv_cache["v"][:, sink_tokens:sink_tokens + num_rolled_tokens] = \
+                kv_cache["v"][:, sink_tokens + num_evicted_tokens:sink_tokens + num_evicted_tokens + num_rolled_tokens].clone()
+            local_end_index = kv_cache["local_end_index"] + \
+                num_new_tokens - num_evicted_tokens  # changed (2 lines)
+            local_start_index = local_end_index - num_new_tokens
+            kv_cache["k"][:, local_start_index:local_end_index] = roped_key
+            kv_cache["v"][:, local_start_index:local_end_index] = v
+        else:
+            local_end_index = kv_cache["local_end_index"] + (num_new_tokens if kv_cache["new_block"] else 0)  # changed
+            local_start_index = local_end_index - num_new_tokens
+            kv_cache["k"][:, local_start_index:local_end_index] = roped_key
+            kv_cache["v"][:, local_start_index:local_end_index] = v
+        lo = max(0, local_end_index - self.max_attention_size)
+        x = F.scaled_dot_product_attention(
+            roped_query.transpose(1, 2), kv_cache["k"][:, lo:local_end_index].transpose(1, 2),
+            kv_cache["v"][:, lo:local_end_index].transpose(1, 2)).transpose(1, 2)
+        kv_cache["new_block"] = False  # changed
+        kv_cache["local_end_index"] = local_end_index  # changed
+        return self.o(x.flatten(2))
