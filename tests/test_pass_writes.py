@@ -80,3 +80,49 @@ def test_index_copy_at_data_positions_puts_the_new_tokens_last():
     q, k, cache = torch.randn(B, H, N, D), torch.randn(B, H, N, D), torch.zeros(B, H, C, D)
     cols = _names(_key_columns(_static_cache, q, k, cache, torch.arange(3, 3 + N)))
     assert cols == [("cache", p) for p in range(C - N)] + [("new", p) for p in range(N)]
+
+
+def _rolling_match(fn, *args):
+    """The DreamZero family's reading of `fn`'s attention site, its `cache` argument a stand-in."""
+    from paged_kv_compile.families.dreamzero import DREAMZERO
+    from paged_kv_compile.passes.site import analyze, store_nodes
+
+    got = []
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        standins = {n for n in gm.graph.nodes if n.op == "placeholder" and "cache" in n.name}
+        sdpa = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS)
+        site = analyze(sdpa, standins, store_nodes(gm.graph, standins), set())
+        got.append(site if isinstance(site, str) else DREAMZERO.match(site))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return got[0]
+
+
+def _recent_only(q, k, cache):
+    """Writes the chunk after 16 history slots but attends over slots [8, 24): skips the oldest history."""
+    cache[:, 16:24] = k
+    return F.scaled_dot_product_attention(q.transpose(1, 2), cache[:, 8:24].transpose(1, 2),
+                                          cache[:, 8:24].transpose(1, 2))
+
+
+def test_rolling_frames_match_with_their_history_count_and_sink():
+    """A frame of a rolling in-place cache reads a constant number of history slots (families/dreamzero.py:
+    _match_rolling): the evicting step reads 16 (no sink read separately), the filling step a prefix of 8."""
+    q, k, cache = torch.randn(B, N, H, D), torch.randn(B, N, H, D), torch.zeros(B, C, H, D)
+    rolled = _rolling_match(_rolling, q, k, cache)
+    assert rolled.pattern == "rolling-cache", rolled
+    assert (rolled.expect.history_tokens, rolled.expect.sink_tokens, rolled.expect.chunk_tokens) == (16, 0, N)
+    filling = _rolling_match(_filling, q, k, cache)
+    assert (filling.expect.history_tokens, filling.expect.sink_tokens) == (8, None)
+
+
+def test_rolling_frame_that_skips_cache_slots_is_refused():
+    """Reading only part of what the cache holds is not the runtime's window (sink + most recent): refused,
+    even though its history count (8) could agree with a session's."""
+    q, k, cache = torch.randn(B, N, H, D), torch.randn(B, N, H, D), torch.zeros(B, C, H, D)
+    why = _rolling_match(_recent_only, q, k, cache)
+    assert isinstance(why, str) and "from slot 0 up to the end of the new chunk" in why, why

@@ -441,7 +441,7 @@ def _match_rolling(site: Site) -> Match | str:
     """A rolling in-place cache with static indices (Self-Forcing's `CausalWanSelfAttention` with its indices
     kept as a fill state, tests/upstream/self_forcing.py: FillStateSelfAttention): the new chunk is written into
     a preallocated (B, C, H, D) cache at constant slices, possibly after an in-place eviction shift, and attention
-    reads the keys/values back from it.
+    reads the keys/values back from it, every slot from 0 to the end of the new chunk.
 
     Tag execution (passes/common.py: plan_writes) says which cache slots, as they were before the forward, the
     attention reads: they must be a leading run (the sink, when a gap follows it) and one contiguous run after
@@ -458,6 +458,10 @@ def _match_rolling(site: Site) -> Match | str:
         return f"the cache it reads ({site.standin_seq_len} slots) is not the cache it writes ({C} slots)"
     if site.k_kv_index not in (None, 0) or site.v_kv_index not in (None, 1):
         return "keys must come from cache[0] and values from cache[1]"
+    if site.read_slots != list(range(len(hist) + chunk)):
+        return ("after its writes the attention must read the cache from slot 0 up to the end of the new chunk "
+                f"(it reads slots {site.read_slots[:3]}...{site.read_slots[-2:]}): the runtime's window supplies "
+                "everything the cache holds, the sink and the most recent tokens")
     sink = 0
     while sink < len(hist) and hist[sink] == sink:
         sink += 1

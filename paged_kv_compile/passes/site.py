@@ -85,6 +85,8 @@ class Site:
     #: rolling cache with static indices, Self-Forcing's): `history_positions` are then the cache slots as they
     #: were BEFORE the forward (followed through the writes and eviction shifts on tags, common.plan_writes)
     read_back: bool = False
+    #: with `read_back`: the cache slots the keys read, in the cache as it is AFTER this graph's writes
+    read_slots: list[int] = field(default_factory=list)
 
 
 def store_nodes(graph: fx.Graph, standins: set[fx.Node]) -> list[fx.Node]:
@@ -242,6 +244,12 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
             if isinstance(got, str):
                 return _read_after_write_refusal(written, got)
             write_indices += [w for w in got if w not in write_indices]
+    read_slots: list[int] = []
+    if written and not write_indices:
+        slots, why = provenance(args["key"])  # the same read, before following the writes: which slots it reads
+        if slots is None or any(leaf not in standins for leaf, _ in slots.columns):
+            return _read_after_write_refusal(written, f"key: the slots it reads could not be followed ({why})")
+        read_slots = [pos for _, pos in slots.columns]
     if written:
         my_stores = list(dict.fromkeys(my_stores + written))
     k_hist, k_new, why_k = _split(provs["key"], standins)
@@ -309,4 +317,5 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         write_indices=write_indices,
         written_cache_len=max((length for _, _, length in write_indices), default=0),
         read_back=bool(written) and not write_indices,
+        read_slots=read_slots,
     )

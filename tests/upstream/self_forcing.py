@@ -8,9 +8,12 @@ keys/values at `[local_start:local_end]`, the rolling eviction that shifts the c
 `sink` tokens), attention over the keys read back from the cache, indices from `.item()`. Left out: RoPE
 tables (a fixed random rotation stands in), cross-attention, FFN, the flex-attention training branch.
 
-`RollingSelfAttention` is the code as written. `WindowSelfAttention` is what a user changes it to so that it
-pages: the same math written as DreamZero's window idiom (concatenate, slice the last `C` tokens, return the
-new cache), the write position and eviction left to the runtime. See docs/models.md.
+`RollingSelfAttention` is the code as written. Two changes make it page: `FillStateSelfAttention` keeps the
+in-place cache and its indices as a fill state (Python ints the compiled frame is specialized on, bounded by
+the cache size; 9 lines), `WindowSelfAttention` writes the same math as DreamZero's window idiom (concatenate,
+slice the last `C` tokens, return the new cache), the write position and eviction left to the runtime.
+`StaticIndexSelfAttention` (absolute indices as ints) is dense-exact but compiles new frames every block.
+See docs/models.md.
 """
 
 from __future__ import annotations
