@@ -8,7 +8,8 @@ the build does no per-layer work). Copies are counted where they happen (`Bucket
 the metadata buffers per forward, and of those the host-to-device ones, which exist only when the metadata
 lives on a device (`--device cuda`); on the CPU there are none. *torch ops/build* counts the torch operators a
 build dispatches (`TorchDispatchMode`), in one extra untimed run, and *of which compute* those that are not
-`aten.detach` (the views `Tensor.numpy()` makes): with none, the build cannot wait on torch's intra-op threads.
+`aten.detach` (what a `Tensor.numpy()` view dispatches): with none, the build cannot wait on torch's intra-op
+threads. The plans' rows are numpy arrays (`layout.RowLayout`), so a build dispatches no operator at all.
 
     python benchmarks/metadata_cost.py [--repeats N] [--json] [--device cpu|cuda] [--threads N] [--busy N]
 

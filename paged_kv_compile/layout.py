@@ -8,48 +8,88 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import RequestError
 
 
-@dataclass(frozen=True)
+def _int64(values: "torch.Tensor | np.ndarray | list[int]") -> np.ndarray:
+    """A 1-D int64 numpy array of `values` (a torch tensor is viewed, not copied, when it already is int64)."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+@dataclass(frozen=True, eq=False)
 class RowLayout:
     """One row's view of the pool for one forward.
 
-    table:     block ids in logical order; *local* ids where `managed` is True (the builder adds each
-               layer's base), absolute ids (scratch) elsewhere.
-    positions: logical position of each query token, -1 for a padded token (never written or read).
-    visible_end: query t sees logical keys [0, visible_end[t]); 0 for padded tokens.
-    seq_len:   valid logical positions of the row.
+    The fields are numpy arrays, because the metadata builder (`metadata.py`) copies them into its pinned
+    staging buffer once per forward and must not dispatch a torch operator there (a `Tensor.numpy()` view per
+    field cost about 4 us each, the largest part of a build); `table`, `managed`, `positions` and
+    `visible_end` give torch views of the same memory for everything else.
+
+    table_np:     block ids in logical order; *local* ids where `managed_np` is True (the builder adds each
+                  layer's base), absolute ids (scratch) elsewhere.
+    positions_np: logical position of each query token, -1 for a padded token (never written or read).
+    visible_end_np: query t sees logical keys [0, visible_end_np[t]); 0 for padded tokens.
+    seq_len:      valid logical positions of the row.
+    max_position: the largest entry of `positions_np` (-1 if none): the builder checks it against the table
+                  without a reduction per forward.
     """
 
-    table: torch.Tensor  # int64 [m]
-    managed: torch.Tensor  # bool [m]
-    positions: torch.Tensor  # int64 [t]
-    visible_end: torch.Tensor  # int64 [t]
+    table_np: np.ndarray  # int64 [m]
+    managed_np: np.ndarray  # bool [m]
+    positions_np: np.ndarray  # int64 [t]
+    visible_end_np: np.ndarray  # int64 [t]
     seq_len: int
+    max_position: int
 
     @staticmethod
     def build(
         managed_blocks: list[int],
         scratch_blocks: list[int],
-        positions: torch.Tensor,
-        visible_end: torch.Tensor,
+        positions: "torch.Tensor | np.ndarray",
+        visible_end: "torch.Tensor | np.ndarray",
         seq_len: int,
+        max_position: int | None = None,
     ) -> "RowLayout":
-        table = torch.tensor(list(managed_blocks) + list(scratch_blocks), dtype=torch.int64)
-        managed = torch.zeros(len(table), dtype=torch.bool)
-        managed[: len(managed_blocks)] = True
-        return RowLayout(table, managed, positions.to(torch.int64), visible_end.to(torch.int64), seq_len)
+        """`max_position`: the plan's own bound on `positions` when it knows it (an arange); else computed."""
+        m = len(managed_blocks)
+        table = np.empty(m + len(scratch_blocks), dtype=np.int64)
+        table[:m] = managed_blocks
+        table[m:] = scratch_blocks
+        managed = np.zeros(len(table), dtype=bool)
+        managed[:m] = True
+        pos = _int64(positions)
+        if max_position is None:
+            max_position = int(pos.max()) if len(pos) else -1
+        return RowLayout(table, managed, pos, _int64(visible_end), seq_len, max_position)
+
+    @property
+    def table(self) -> torch.Tensor:  # int64 [m], a view of table_np
+        return torch.from_numpy(self.table_np)
+
+    @property
+    def managed(self) -> torch.Tensor:  # bool [m]
+        return torch.from_numpy(self.managed_np)
+
+    @property
+    def positions(self) -> torch.Tensor:  # int64 [t]
+        return torch.from_numpy(self.positions_np)
+
+    @property
+    def visible_end(self) -> torch.Tensor:  # int64 [t]
+        return torch.from_numpy(self.visible_end_np)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.positions.numel())
+        return len(self.positions_np)
 
     @property
     def num_blocks(self) -> int:
-        return int(self.table.numel())
+        return len(self.table_np)
 
 
 def allowed_keys(mask: torch.Tensor, rows: int) -> torch.Tensor:

@@ -89,8 +89,10 @@ class BucketMetadata:
 
     The copy is asynchronous on a CUDA device and the host may run ahead (CUDA graphs), so a pinned
     staging buffer must not be written while a copy out of it is pending. Writes go through
-    :meth:`stage`, which alternates between two pinned buffers and first waits for the copy last issued
-    from the one it hands out; :meth:`upload` issues the copy from it and records that copy's event.
+    :meth:`stage`, which alternates between two pinned buffers, first waits for the copy last issued
+    from the one it hands out and returns its index; :meth:`upload` issues the copy from it and records
+    that copy's event. Each staging buffer remembers one extent: the (tokens, blocks) per row its last
+    upload may hold beyond padding, so the next build resets only that much.
     """
 
     def __init__(self, bucket: Bucket, pool: KVPool, device: torch.device | None = None) -> None:
@@ -109,25 +111,23 @@ class BucketMetadata:
         self.positions, self.table0, self.table_managed, self.seq_lens, self.kv_visible_end = _carve(
             self.device_buffer, staged)
         self.block_size = pool.block_size
-        # numpy views of the two staging buffers (and, for CPU metadata, of the device buffer): the host writes
-        # and copies through them without dispatching a torch op.
-        self._host_tensors = [self.host_buffer[i] for i in range(2)]
-        self._host_np = {t.data_ptr(): t.numpy() for t in self._host_tensors}
-        self._host = [[t.numpy() for t in _carve(self.host_buffer[i], staged)] for i in range(2)]
+        # numpy views of the two staging buffers (whole, and carved like the device buffer) and, for CPU
+        # metadata, of the device buffer: the host writes and copies through them without a torch op.
+        self._host_bytes = [self.host_buffer[i].numpy() for i in range(2)]
+        self.views = [[t.numpy() for t in _carve(self.host_buffer[i], staged)] for i in range(2)]
         self._device_np = self.device_buffer.numpy() if device.type == "cpu" else None
         self.block_bases = pool.layer_bases.to(device=device, dtype=torch.int32)
         self.layers = [LayerViews(self, l) for l in range(L)]
         self.last_key: tuple = ()
-        self._pad_block = pool.pad_block
-        self._used = [(T, M)] * 2  # per staging buffer: the (tokens, blocks) extent its last upload wrote
-        self.staged_extent = (T, M)
-        self.written = (T, M)  # what the next upload's buffer holds beyond padding (set by the caller)
+        self.pad_block = pool.pad_block
+        #: per staging buffer, the (tokens, blocks) extent per row it may hold beyond padding
+        self.extent = [(T, M), (T, M)]
         #: Makes the event recorded after each copy (None: copies are synchronous). Tests swap in fakes.
         self.new_event = torch.cuda.Event if device.type == "cuda" else (lambda: None)
         self._copy_done: list = [None, None]  # per staging buffer: the event of the last copy out of it
         self._current = 1
         self.copies = 0  # copies issued into device_buffer (padding states included)
-        self.fill_with_padding(pool)
+        self.fill_with_padding()
 
     # ---- every layer at once, for tests and direct op calls (compiled graphs never read these) --------
     @property
@@ -140,70 +140,55 @@ class BucketMetadata:
         """int32 [L, R, M]: every layer's absolute block table (a new tensor)."""
         return torch.stack([views.block_table for views in self.layers])
 
-    def stage(self) -> list[np.ndarray]:
-        """Host views (positions, table0, table_managed, seq_lens, kv_visible_end) to write the
-        next forward's values into; call :meth:`upload` after writing them. `staged_extent` is the (tokens, blocks)
-        per row the buffer's last upload may hold beyond padding: everything past it already is padding.
+    def stage(self) -> int:
+        """The index of the staging buffer to write the next forward into (its numpy views: `views[i]`,
+        positions, table0, table_managed, seq_lens, kv_visible_end; what it may hold beyond padding:
+        `extent[i]`); call :meth:`upload` after writing it.
 
         Switches to the other pinned buffer and waits until the last copy out of it has completed, so no
         write can reach a copy still pending (with two buffers the host may run one forward ahead).
         """
-        self._current = 1 - self._current
-        done = self._copy_done[self._current]
+        i = self._current = 1 - self._current
+        done = self._copy_done[i]
         if done is not None:
             done.synchronize()
-            self._copy_done[self._current] = None
-        self.staged_extent = self._used[self._current]
-        # Until the upload records what was written, assume everything may be (a write that raised half-way).
-        self._used[self._current] = (self.bucket.tokens, self.width)
-        return self._host[self._current]
+            self._copy_done[i] = None
+        return i
 
-    def pad_rows(self, host: list[np.ndarray], row: int, tokens: tuple[int, int], blocks: tuple[int, int]) -> None:
-        """Padding in `host`'s row `row`: tokens [t0, t1) write nothing and see nothing, table entries
-        [m0, m1) are the pad block."""
-        positions, table0, table_managed, seq, vis = host
-        (t0, t1), (m0, m1) = tokens, blocks
-        if t1 > t0:
-            positions[row, t0:t1] = -1
-            vis[row, t0:t1] = 0
-        if m1 > m0:
-            table0[row, m0:m1] = self._pad_block
-            table_managed[row, m0:m1] = False
-
-    def fill_with_padding(self, pool: KVPool) -> None:
+    def fill_with_padding(self) -> None:
         """A valid all-padding state: nothing written, nothing visible (before the first forward, warm-up)."""
-        host = self.stage()
-        for r in range(self.bucket.rows):
-            self.pad_rows(host, r, (0, self.bucket.tokens), (0, self.width))
-        host[3][:] = 0
-        self.written = (0, 0)
-        self.upload()
+        i = self.stage()
+        positions, table0, table_managed, seq, vis = self.views[i]
+        positions[:] = -1
+        vis[:] = 0
+        table0[:] = self.pad_block
+        table_managed[:] = False
+        seq[:] = 0
+        self.upload(i, (0, 0))
         self.last_key = ()
 
-    def upload(self) -> None:
-        """The forward's one host-to-device copy from the buffer :meth:`stage` handed out, and its event.
+    def upload(self, i: int, written: tuple[int, int]) -> None:
+        """The forward's one host-to-device copy from staging buffer `i` (from :meth:`stage`), and its event.
 
-        `written` is the (tokens, blocks) extent per row the caller wrote (default: everything); the next
-        :meth:`stage` of this buffer reports it as `staged_extent`, so only that is reset to padding.
+        `written` is the (tokens, blocks) extent per row the caller wrote beyond padding: the next build into
+        this buffer resets only that much.
         """
-        self._used[self._current] = self.written
-        self.written = (self.bucket.tokens, self.width)
-        self.copy_in(self._host_tensors[self._current])
+        self.extent[i] = written
+        self.copy_in(i)
         self.copies += 1
-        self._copy_done[self._current] = self.new_event()
-        if self._copy_done[self._current] is not None:
-            self._copy_done[self._current].record()
+        event = self._copy_done[i] = self.new_event()
+        if event is not None:
+            event.record()
 
-    def copy_in(self, host: torch.Tensor) -> None:
-        """Device work of one upload, in stream order: the copy of `host` into the device buffer.
+    def copy_in(self, i: int) -> None:
+        """Device work of one upload, in stream order: the copy of staging buffer `i` into the device buffer.
 
         CPU metadata is copied with numpy (a memcpy, no torch intra-op threads); a device gets one
         asynchronous copy out of the pinned buffer."""
         if self._device_np is not None:
-            staged = self._host_np.get(host.data_ptr())
-            np.copyto(self._device_np, staged if staged is not None and staged.size == host.numel() else host.numpy())
+            np.copyto(self._device_np, self._host_bytes[i])
         else:
-            self.device_buffer.copy_(host, non_blocking=True)
+            self.device_buffer.copy_(self.host_buffer[i], non_blocking=True)
 
     def addresses(self) -> tuple[int, ...]:
         return (self.device_buffer.data_ptr(), self.block_bases.data_ptr())
@@ -236,60 +221,70 @@ class MetadataBuilder:
         return meta
 
     def build(self, bucket: Bucket, rows: list[RowLayout], key: tuple = ()) -> BucketMetadata:
-        """Fill `bucket`'s buffers from per-row layouts; skipped when `key` repeats the last build."""
+        """Fill `bucket`'s buffers from per-row layouts; skipped when `key` repeats the last build.
+
+        Per row: four slice copies of the layout's numpy arrays and the reset of what the staging buffer held
+        beyond them (its extent); rows the bucket has beyond the forward's are reset in one slice per buffer.
+        Nothing here dispatches a torch operator."""
         meta = self.buffers(bucket)
         if key and key == meta.last_key:
             return meta
-        arrays = self._check_fits(bucket, meta.width, rows, self.pool.block_size)
+        self._check_fits(bucket, meta.width, rows, self.pool.block_size)
         # From here the buffers change: until this build completes they describe no plan, so a build that
         # fails half-way can never be skipped as a repeat of the previous key (another request's layout).
         meta.last_key = ()
-        host = meta.stage()  # waits for its last copy
-        positions, table0, table_managed, seq, vis = host
-        tp, mp = meta.staged_extent
+        i = meta.stage()  # waits for its last copy
+        positions, table0, table_managed, seq, vis = meta.views[i]
+        tp, mp = meta.extent[i]
+        # Until the upload records what was written, assume everything may be (a write that raised half-way).
+        meta.extent[i] = (bucket.tokens, meta.width)
         used_t = used_m = 0
-        for r in range(bucket.rows):
-            if r >= len(rows):
-                meta.pad_rows(host, r, (0, tp), (0, mp))
-                seq[r] = 0
-                continue
-            table, managed, pos, ends = arrays[r]
-            m, t = len(table), len(pos)
-            table0[r, :m] = table
-            table_managed[r, :m] = managed
-            positions[r, :t] = pos
-            vis[r, :t] = ends
-            seq[r] = rows[r].seq_len
-            meta.pad_rows(host, r, (t, tp), (m, mp))
+        for r, row in enumerate(rows):
+            t, m = len(row.positions_np), len(row.table_np)
+            table0[r, :m] = row.table_np
+            table_managed[r, :m] = row.managed_np
+            positions[r, :t] = row.positions_np
+            vis[r, :t] = row.visible_end_np
+            seq[r] = row.seq_len
+            if tp > t:
+                positions[r, t:tp] = -1
+                vis[r, t:tp] = 0
+            if mp > m:
+                table0[r, m:mp] = meta.pad_block
+                table_managed[r, m:mp] = False
             used_t, used_m = max(used_t, t), max(used_m, m)
-        meta.written = (used_t, used_m)
-        meta.upload()
+        n = len(rows)
+        if n < bucket.rows:
+            positions[n:, :tp] = -1
+            vis[n:, :tp] = 0
+            table0[n:, :mp] = meta.pad_block
+            table_managed[n:, :mp] = False
+            seq[n:] = 0
+        meta.upload(i, (used_t, used_m))
         self.builds += 1
         meta.last_key = key
         return meta
 
     @staticmethod
-    def _check_fits(bucket: Bucket, width: int, rows: list[RowLayout], block_size: int) -> list[tuple]:
-        """Refuse rows the bucket cannot hold, before anything is staged; each row's arrays (numpy views)."""
+    def _check_fits(bucket: Bucket, width: int, rows: list[RowLayout], block_size: int) -> None:
+        """Refuse rows the bucket cannot hold, before anything is staged (integer checks only: each layout
+        carries its largest position)."""
         if len(rows) > bucket.rows:
             raise RequestError(f"{len(rows)} rows exceed bucket {bucket} ({bucket.rows} rows)")
-        arrays = []
         for r, row in enumerate(rows):
-            table, managed, pos, ends = (x.numpy() for x in (row.table, row.managed, row.positions, row.visible_end))
-            if len(pos) > bucket.tokens:
+            t, m = len(row.positions_np), len(row.table_np)
+            if t > bucket.tokens:
                 raise RequestError(
-                    f"row {r} has {len(pos)} tokens, beyond bucket {bucket} ({bucket.tokens}); "
+                    f"row {r} has {t} tokens, beyond bucket {bucket} ({bucket.tokens}); "
                     "add a larger bucket to the config"
                 )
-            if len(table) > width:
+            if m > width:
                 raise RequestError(
-                    f"row {r} needs {len(table)} blocks, beyond bucket {bucket}'s table width {width}; "
+                    f"row {r} needs {m} blocks, beyond bucket {bucket}'s table width {width}; "
                     "add a bucket with a larger context"
                 )
-            if len(pos) and pos.max() >= len(table) * block_size:
+            if row.max_position >= m * block_size:
                 raise RequestError(
-                    f"row {r} writes logical position {int(pos.max())} but its block table covers "
-                    f"{len(table) * block_size} positions: the plan's layout is inconsistent"
+                    f"row {r} writes logical position {row.max_position} but its block table covers "
+                    f"{m * block_size} positions: the plan's layout is inconsistent"
                 )
-            arrays.append((table, managed, pos, ends))
-        return arrays

@@ -173,7 +173,7 @@ class PagedKVRuntime:
         if self.config.buckets and bucket not in self.config.buckets and not self._allow_unconfigured:
             raise RequestError(f"cannot warm up bucket {bucket}: not configured; configured: {sorted(self.config.buckets)}")
         meta = self.metadata.buffers(bucket)
-        meta.fill_with_padding(self.pool)  # also forgets the last build's key: the next build is never skipped
+        meta.fill_with_padding()  # also forgets the last build's key: the next build is never skipped
         self.generation += 1
         self.active = ActiveForward(ForwardPlan(WARMUP_OWNER, "warmup", [], bucket.tokens, bucket.context), bucket,
                                     meta, self.generation)

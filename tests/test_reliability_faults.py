@@ -342,8 +342,8 @@ def test_a_metadata_build_that_fails_half_way_never_serves_another_sessions_layo
     original = BucketMetadata.upload
     armed = {"on": False}
 
-    def upload_then_fail(self):
-        original(self)
+    def upload_then_fail(self, *args):
+        original(self, *args)
         if armed["on"]:
             armed["on"] = False
             raise InjectedFault("injected after the metadata copy")

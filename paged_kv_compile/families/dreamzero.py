@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..config import Bucket, PagedKVConfig
@@ -316,9 +317,9 @@ class DreamZeroFamily:
         h = len(visible) * B
         managed = visible + new
         scratch = blocks.scratch(i, len(managed), (h + n + a - 1) // B)
-        positions = torch.arange(h, h + n + a, dtype=torch.int64)
-        ends = torch.full((n + a,), h + n + a, dtype=torch.int64)
-        return RowLayout.build(managed, scratch, positions, ends, h + n + a)
+        positions = np.arange(h, h + n + a, dtype=np.int64)
+        ends = np.full(n + a, h + n + a, dtype=np.int64)
+        return RowLayout.build(managed, scratch, positions, ends, h + n + a, max_position=h + n + a - 1)
 
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
         """A commit becomes history; blocks no later forward can read (out of the window) are freed."""

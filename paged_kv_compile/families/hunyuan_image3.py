@@ -236,14 +236,14 @@ class HunyuanImage3Family:
         layouts, key_positions = [], []
         for r, (row, p, ml) in enumerate(zip(owner.rows, spec.prefix_lens, mask_layouts)):
             if kind == "prefill":
-                positions, ends, seq_len = ml.positions, ml.visible_end, ml.kept
+                positions, ends, seq_len, top = ml.positions, ml.visible_end, ml.kept, None
                 key_positions.append(ml.positions)
             else:
                 positions = torch.arange(p, p + T, dtype=torch.int64)
-                ends, seq_len = ml.ends_by_position[p : p + T], p + T
+                ends, seq_len, top = ml.ends_by_position[p : p + T], p + T, p + T - 1
                 key_positions.append(_step_key_positions(ml, p, prefix_capacity, positions))
             scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
-            layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len))
+            layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len, max_position=top))
         state = {"layouts": mask_layouts} if kind == "prefill" else {}
         if kind == "step" and attention_mask is not None and not owner.state.get("step_mask_checked"):
             _check_step_mask(allowed_keys(attention_mask, rows), layouts, key_positions)
