@@ -6,7 +6,7 @@ op's fixed-shape tensors for every layer at once. Kept apart so both sides agree
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,8 +14,8 @@ import torch
 from .errors import RequestError
 
 
-def _int64(values: "torch.Tensor | np.ndarray | list[int]") -> np.ndarray:
-    """A 1-D int64 numpy array of `values` (a torch tensor is viewed, not copied, when it already is int64)."""
+def _int64(values: "torch.Tensor | np.ndarray") -> np.ndarray:
+    """A 1-D int64 numpy array of `values` (viewed, not copied, when it already is one)."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
     return np.asarray(values, dtype=np.int64).reshape(-1)
@@ -25,26 +25,35 @@ def _int64(values: "torch.Tensor | np.ndarray | list[int]") -> np.ndarray:
 class RowLayout:
     """One row's view of the pool for one forward.
 
-    The fields are numpy arrays, because the metadata builder (`metadata.py`) copies them into its pinned
-    staging buffer once per forward and must not dispatch a torch operator there (a `Tensor.numpy()` view per
-    field cost about 4 us each, the largest part of a build); `table`, `managed`, `positions` and
-    `visible_end` give torch views of the same memory for everything else.
+    table:     block ids in logical order; *local* ids where `managed` is True (the builder adds each
+               layer's base), absolute ids (scratch) elsewhere.
+    positions: logical position of each query token, -1 for a padded token (never written or read).
+    visible_end: query t sees logical keys [0, visible_end[t]); 0 for padded tokens.
+    seq_len:   valid logical positions of the row.
 
-    table_np:     block ids in logical order; *local* ids where `managed_np` is True (the builder adds each
-                  layer's base), absolute ids (scratch) elsewhere.
-    positions_np: logical position of each query token, -1 for a padded token (never written or read).
-    visible_end_np: query t sees logical keys [0, visible_end_np[t]); 0 for padded tokens.
-    seq_len:      valid logical positions of the row.
-    max_position: the largest entry of `positions_np` (-1 if none): the builder checks it against the table
-                  without a reduction per forward.
+    `arrays` holds numpy views of (table, managed, positions, visible_end) and `max_position` the largest
+    position (-1 if none): the metadata builder (`metadata.py`) copies the arrays into its staging buffer
+    and checks the bound without dispatching a torch operator (a `Tensor.numpy()` view per field was the
+    largest part of a build). :meth:`build` makes the numpy arrays first and the tensors as views of them;
+    any other construction (`dataclasses.replace`, a direct call) derives both from the tensors.
     """
 
-    table_np: np.ndarray  # int64 [m]
-    managed_np: np.ndarray  # bool [m]
-    positions_np: np.ndarray  # int64 [t]
-    visible_end_np: np.ndarray  # int64 [t]
+    table: torch.Tensor  # int64 [m]
+    managed: torch.Tensor  # bool [m]
+    positions: torch.Tensor  # int64 [t]
+    visible_end: torch.Tensor  # int64 [t]
     seq_len: int
-    max_position: int
+    arrays: tuple[np.ndarray, ...] = field(init=False, repr=False)
+    max_position: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        arrays = tuple(t.detach().cpu().numpy().reshape(-1)
+                       for t in (self.table, self.managed, self.positions, self.visible_end))
+        self._set(arrays, int(arrays[2].max()) if len(arrays[2]) else -1)
+
+    def _set(self, arrays: tuple[np.ndarray, ...], max_position: int) -> None:
+        object.__setattr__(self, "arrays", arrays)
+        object.__setattr__(self, "max_position", max_position)
 
     @staticmethod
     def build(
@@ -62,34 +71,23 @@ class RowLayout:
         table[m:] = scratch_blocks
         managed = np.zeros(len(table), dtype=bool)
         managed[:m] = True
-        pos = _int64(positions)
+        arrays = (table, managed, _int64(positions), _int64(visible_end))
         if max_position is None:
-            max_position = int(pos.max()) if len(pos) else -1
-        return RowLayout(table, managed, pos, _int64(visible_end), seq_len, max_position)
-
-    @property
-    def table(self) -> torch.Tensor:  # int64 [m], a view of table_np
-        return torch.from_numpy(self.table_np)
-
-    @property
-    def managed(self) -> torch.Tensor:  # bool [m]
-        return torch.from_numpy(self.managed_np)
-
-    @property
-    def positions(self) -> torch.Tensor:  # int64 [t]
-        return torch.from_numpy(self.positions_np)
-
-    @property
-    def visible_end(self) -> torch.Tensor:  # int64 [t]
-        return torch.from_numpy(self.visible_end_np)
+            max_position = int(arrays[2].max()) if len(arrays[2]) else -1
+        row = object.__new__(RowLayout)  # not __init__: the tensors are views of `arrays`, nothing to derive
+        for name, value in zip(("table", "managed", "positions", "visible_end"), arrays):
+            object.__setattr__(row, name, torch.from_numpy(value))
+        object.__setattr__(row, "seq_len", seq_len)
+        row._set(arrays, max_position)
+        return row
 
     @property
     def num_tokens(self) -> int:
-        return len(self.positions_np)
+        return len(self.arrays[2])
 
     @property
     def num_blocks(self) -> int:
-        return len(self.table_np)
+        return len(self.arrays[0])
 
 
 def allowed_keys(mask: torch.Tensor, rows: int) -> torch.Tensor:

@@ -240,11 +240,12 @@ class MetadataBuilder:
         meta.extent[i] = (bucket.tokens, meta.width)
         used_t = used_m = 0
         for r, row in enumerate(rows):
-            t, m = len(row.positions_np), len(row.table_np)
-            table0[r, :m] = row.table_np
-            table_managed[r, :m] = row.managed_np
-            positions[r, :t] = row.positions_np
-            vis[r, :t] = row.visible_end_np
+            table, managed, pos, ends = row.arrays
+            t, m = len(pos), len(table)
+            table0[r, :m] = table
+            table_managed[r, :m] = managed
+            positions[r, :t] = pos
+            vis[r, :t] = ends
             seq[r] = row.seq_len
             if tp > t:
                 positions[r, t:tp] = -1
@@ -272,7 +273,7 @@ class MetadataBuilder:
         if len(rows) > bucket.rows:
             raise RequestError(f"{len(rows)} rows exceed bucket {bucket} ({bucket.rows} rows)")
         for r, row in enumerate(rows):
-            t, m = len(row.positions_np), len(row.table_np)
+            t, m = row.num_tokens, row.num_blocks
             if t > bucket.tokens:
                 raise RequestError(
                     f"row {r} has {t} tokens, beyond bucket {bucket} ({bucket.tokens}); "

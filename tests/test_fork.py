@@ -181,8 +181,7 @@ def test_fork_write_guard_refuses_a_plan_that_writes_a_shared_block(monkeypatch)
     def overwrites_history(self, owner, blocks, kind, **info):
         plan = original(self, owner, blocks, kind, **info)
         row = plan.rows[0]
-        moved = row.positions_np - row.positions_np[0]  # onto the sink block
-        plan.rows[0] = dataclasses.replace(row, positions_np=moved, max_position=int(moved.max()))
+        plan.rows[0] = dataclasses.replace(row, positions=row.positions - row.positions[0])  # onto the sink block
         return plan
 
     monkeypatch.setattr(type(family), "plan", overwrites_history)
