@@ -82,8 +82,13 @@ def test_dreamzero_unbounded_window_slides(omni, omni_ctx):
 
 
 def test_dreamzero_inductor_parity(omni, omni_ctx):
-    """Parity through Inductor. Frames are counted in the aot_eager tests: in one full-suite run (not alone)
-    Inductor compiled a 4th frame here, cause not yet found."""
-    dense, paged, backend, _ = _pair(omni, "inductor", calls=3)
+    """Parity through Inductor, one frame per bucket with Inductor's FX graph cache off. With the cache on and
+    warm (any earlier run on the machine), a cache hit re-evaluates the cached graph's guard expression
+    (`max(0, (current_start_frame - 1) // 2) <= 1024`, from the RoPE rows) on the symbolic start frame
+    (torch/_inductor/codecache.py: FxGraphCache._lookup_graph), which adds `current_start_frame <= 2` to the
+    denoise frame: the first later start frame compiles a 4th frame (docs/models.md)."""
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        dense, paged, backend, _ = _pair(omni, "inductor", calls=3)
     assert _max_err(dense, paged) <= ATOL
     assert all([rep.status for rep in r.reports].count("rewritten") == 1 for r in backend.results)
+    assert backend.frames == 3, dict(torch._dynamo.utils.guard_failures)
