@@ -480,7 +480,7 @@ def _match_rolling(site: Site) -> Match | str:
 def _check_rolling_history(expect: RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
     """The session's visible history (per row of the forward) must be exactly what the frame's fill state reads."""
     for i, row in enumerate(plan.rows):
-        visible = int(row.positions[0])  # `_row`: the forward's tokens follow the visible history
+        visible = int(row.arrays[2][0])  # `_row`: the forward's tokens follow the visible history
         if visible != expect.history_tokens:
             raise RequestError(
                 f"this rolling-cache frame reads {expect.history_tokens} history tokens (its fill state: the cache "
