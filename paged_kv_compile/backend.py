@@ -131,7 +131,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     before = new_gm.print_readable(print_output=False)
     fp8 = runtime is not None and runtime.pool.scales is not None
     result = rewrite(new_gm, example_inputs, is_standin=binding.is_standin, kernel=opts["kernel"], strict=opts["strict"],
-                     kv_scales=fp8)
+                     kv_scales=fp8, is_region=binding.is_region_standin)
     _record(result)
     maybe_dump(opts["dump_dir"], before, result)
     if not result.changed:
@@ -144,7 +144,12 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     rows, tokens, context = result.shape
     bucket = Bucket(rows, tokens, context)
     meta = runtime.metadata.buffers(bucket)
-    extras = _shared_extras(runtime, meta)
+    if result.region_tokens and meta.region_width * runtime.pool.block_size < result.region_tokens:
+        raise ConfigError(
+            f"this graph reads a shared region of {result.region_tokens} tokens but the runtime's metadata holds "
+            f"{meta.region_width * runtime.pool.block_size}: set region_tokens={result.region_tokens} in the config "
+            "(dreamzero_runtime_config(..., cross_regions=N) sets it)")
+    extras = _shared_extras(runtime, meta, bool(result.region_tokens))
     for site in result.sites:
         views = meta.layers[binding.resolve(example_inputs[site.weight_input])[1]]
         extras.append(views.block_base)
@@ -188,12 +193,16 @@ def _pool_geometry(runtime) -> tuple:
     return (*runtime.pool.tensor.shape, runtime.pool.tensor.dtype)
 
 
-def _shared_extras(runtime, meta) -> list:
+def _shared_extras(runtime, meta, regions: bool = False) -> list:
     """The inputs every rewritten site shares, in the rewrite pass's order: pool, lengths, ends, FP8 scales, then
-    the metadata every layer's slots and table are computed from (`passes/rewrite.py: SHARED_METADATA`)."""
+    the metadata every layer's slots and table are computed from (`passes/rewrite.py: SHARED_METADATA`), then
+    with shared-region sites the region table (`REGION_METADATA`)."""
     extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
     extras += [] if runtime.pool.scales is None else [runtime.pool.scales]
-    return extras + [meta.positions, meta.table0, meta.table_managed]
+    extras += [meta.positions, meta.table0, meta.table_managed]
+    if regions:
+        extras += [meta.region_table0, meta.region_managed, meta.region_seq_lens, meta.region_visible_end]
+    return extras
 
 
 def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
@@ -207,6 +216,7 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
     checked: dict = {}
     layer_keys = [s.layer_key for s in result.sites]
     expect = result.expect
+    region_tokens = result.region_tokens
 
     def paged_kv_compiled_forward(*args):
         runtime = None
@@ -224,6 +234,8 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
                 f"{active.bucket}: the model's inputs do not match the runtime's plan (stale metadata?)"
             )
         runtime.check_layout(expect)
+        if region_tokens:
+            runtime.check_regions(region_tokens)
         if _pool_geometry(runtime) != pool_shape:
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime "
                                "(shape and dtype must match: an FP8 pool adds its scales as an input)")
@@ -233,7 +245,7 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
             _check_write_positions(active, [(replay(args[index]), row) for index, replay, row in write_checks], checked)
         meta = active.meta
         runtime.record_layers(layers)
-        extras = _shared_extras(runtime, meta)
+        extras = _shared_extras(runtime, meta, bool(region_tokens))
         for layer in layers:
             views = meta.layers[layer]
             extras.append(views.block_base)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 #: parameter address -> (runtime, layer index, the bound layer module, the parameter's name in it)
 _layer_of_param: dict[int, tuple[weakref.ref, int, weakref.ref, str]] = {}
 _standin_storages: dict[int, weakref.ref] = {}
+_region_storages: set[int] = set()  # stand-ins of shared write-once regions (a subset of the above)
 
 
 def bind_layers(runtime: "PagedKVRuntime", layers: Sequence[torch.nn.Module]) -> dict[int, int]:
@@ -89,8 +90,14 @@ def resolve(weight: torch.Tensor) -> tuple["PagedKVRuntime", int]:
     return runtime, index
 
 
-def register_standin_storage(tensor: torch.Tensor) -> None:
-    _standin_storages[tensor.untyped_storage().data_ptr()] = weakref.ref(tensor)
+def register_standin_storage(tensor: torch.Tensor, *, region: bool = False) -> None:
+    """`region`: the stand-in of a shared write-once region (read with `paged_kv::attend`, never written)."""
+    ptr = tensor.untyped_storage().data_ptr()
+    _standin_storages[ptr] = weakref.ref(tensor)
+    if region:
+        _region_storages.add(ptr)
+    else:
+        _region_storages.discard(ptr)
 
 
 def is_standin(value: object) -> bool:
@@ -102,6 +109,11 @@ def is_standin(value: object) -> bool:
     except (RuntimeError, NotImplementedError):  # fake or functional tensors have no real storage
         return False
     return ref is not None and ref() is not None
+
+
+def is_region_standin(value: object) -> bool:
+    """True for a view of a registered region stand-in (see `PagedKVRuntime.region_standin`)."""
+    return is_standin(value) and value.untyped_storage().data_ptr() in _region_storages
 
 
 def registered_layers(runtime: "PagedKVRuntime") -> Iterable[int]:

@@ -60,12 +60,17 @@ class PagedKVConfig:
     inner_compiler: str = "inductor"
     strict: bool = False
     dump_dir: str | None = None
+    #: the most tokens of a shared write-once region (regions.py) a compiled graph reads, e.g. DreamZero's
+    #: cross_len: sizes each bucket's region table (metadata.py); 0 = no compiled graph reads a region
+    region_tokens: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_rows", "scratch_tokens_per_row"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.region_tokens < 0:
+            raise ConfigError(f"region_tokens must be >= 0, got {self.region_tokens}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}; use e.g. 16")
         if (self.blocks_per_layer is None) == (self.budget_bytes is None):

@@ -43,10 +43,21 @@ class PagedHooks(DenseHooks):
         self.runtime = runtime
         self.owner_id = owner_id
         self.geometry: dict[str, Any] = {}  # the caches' geometry (e.g. prefix_capacity): every plan gets it
+        #: open_session arguments (spec, rows, cache_salt, content_keys): the session opens in `cross_kvs`, when
+        #: the loop hands over its cross-attention K/V, which then live in shared regions (regions.py)
+        self.open_with: dict[str, Any] | None = None
 
     def caches(self, model: torch.nn.Module, batch: int, **geometry: Any) -> list:
         self.geometry = dict(geometry)
         return families.for_model(model).standin_caches(self.runtime, model, batch, **geometry)
+
+    def cross_kvs(self, model: torch.nn.Module, cross_kvs: list) -> list:
+        if self.open_with is not None:
+            self.runtime.open_session(self.owner_id, cross_kv=cross_kvs, **self.open_with)
+            self.open_with = None
+        if self.runtime.owner(self.owner_id) is None or not self.runtime.regions_of(self.owner_id):
+            return cross_kvs
+        return families.for_model(model).region_standins(self.runtime, model, cross_kvs[0].shape[1])
 
     def forward(self, kind: str, **info: Any) -> contextlib.AbstractContextManager:
         return self.runtime.forward_for(self.owner_id, kind, **{**self.geometry, **info})
@@ -56,13 +67,24 @@ class PagedHooks(DenseHooks):
 
 
 def paged_dreamzero_rollout(model, runtime: PagedKVRuntime, *, session_id: str = "session",
-                            make_hooks: HooksFactory = PagedHooks, **kwargs) -> dict:
-    """`dreamzero_rollout` as one session on `runtime`; the session is closed afterwards."""
-    runtime.open_session(session_id, DreamZeroSpec.from_model_config(model.cfg), rows=2)
+                            make_hooks: HooksFactory = PagedHooks, shared_cross: bool = False,
+                            cache_salt: str | bytes | None = None, **kwargs) -> dict:
+    """`dreamzero_rollout` as one session on `runtime`; the session is closed afterwards.
+
+    shared_cross: the session's cross-attention K/V live in shared write-once regions of the pool (keyed by
+    `cache_salt`, regions.py) and the compiled model reads them with `paged_kv::attend`; the session opens when
+    the loop has computed them."""
+    spec = DreamZeroSpec.from_model_config(model.cfg)
+    hooks = make_hooks(runtime, session_id)
+    if shared_cross:
+        hooks.open_with = {"spec": spec, "rows": 2, "cache_salt": cache_salt}
+    else:
+        runtime.open_session(session_id, spec, rows=2)
     try:
-        return dreamzero_rollout(model, hooks=make_hooks(runtime, session_id), **kwargs)
+        return dreamzero_rollout(model, hooks=hooks, **kwargs)
     finally:
-        runtime.close_session(session_id)
+        if runtime.owner(session_id) is not None:
+            runtime.close_session(session_id)
 
 
 def paged_hunyuan_generate(model, runtime: PagedKVRuntime, prompts: list[torch.Tensor], *,

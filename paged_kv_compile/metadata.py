@@ -59,6 +59,12 @@ def layer_metadata(positions: torch.Tensor, table0: torch.Tensor, table_managed:
     return torch.where(positions >= 0, slots, -1), table
 
 
+def region_block_table(table0: torch.Tensor, managed: torch.Tensor, block_base: torch.Tensor) -> torch.Tensor:
+    """One layer's block table int32 [R, Mr] of the forward's shared regions (regions.py): local ids + the layer's
+    base where managed, the pad block elsewhere. Called inside compiled graphs next to `paged_kv::attend`."""
+    return table0 + managed * block_base
+
+
 class LayerViews:
     """What one layer's op call reads besides the shared buffers: its base (a 0-d tensor at a fixed address).
 
@@ -95,7 +101,8 @@ class BucketMetadata:
     upload may hold beyond padding, so the next build resets only that much.
     """
 
-    def __init__(self, bucket: Bucket, pool: KVPool, device: torch.device | None = None) -> None:
+    def __init__(self, bucket: Bucket, pool: KVPool, device: torch.device | None = None,
+                 region_tokens: int = 0) -> None:
         self.bucket = bucket
         L, R, T = pool.num_layers, bucket.rows, bucket.tokens
         M = bucket.table_width(pool.block_size)
@@ -103,13 +110,17 @@ class BucketMetadata:
         self.num_layers = L
         device = device if device is not None else pool.tensor.device
         self.device = device
+        #: blocks per row of the region table: the shared write-once region each row reads (regions.py)
+        self.region_width = Mr = max(1, -(-region_tokens // pool.block_size))
         staged = [((R, T), torch.int64), ((R, M), torch.int32), ((R, M), torch.bool), ((R,), torch.int32),
+                  ((R, T), torch.int32), ((R, Mr), torch.int32), ((R, Mr), torch.bool), ((R,), torch.int32),
                   ((R, T), torch.int32)]
         nbytes = _buffer_bytes(staged)
         self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.host_buffer = torch.zeros(2, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.positions, self.table0, self.table_managed, self.seq_lens, self.kv_visible_end = _carve(
-            self.device_buffer, staged)
+        (self.positions, self.table0, self.table_managed, self.seq_lens, self.kv_visible_end, self.region_table0,
+         self.region_managed, self.region_seq_lens, self.region_visible_end) = _carve(self.device_buffer, staged)
+        self._region_staged = [True, True]  # per staging buffer: its region table may hold regions (reset it)
         self.block_size = pool.block_size
         # numpy views of the two staging buffers (whole, and carved like the device buffer) and, for CPU
         # metadata, of the device buffer: the host writes and copies through them without a torch op.
@@ -158,14 +169,34 @@ class BucketMetadata:
     def fill_with_padding(self) -> None:
         """A valid all-padding state: nothing written, nothing visible (before the first forward, warm-up)."""
         i = self.stage()
-        positions, table0, table_managed, seq, vis = self.views[i]
+        positions, table0, table_managed, seq, vis = self.views[i][:5]
         positions[:] = -1
         vis[:] = 0
         table0[:] = self.pad_block
         table_managed[:] = False
         seq[:] = 0
+        self.stage_regions(i, None)
         self.upload(i, (0, 0))
         self.last_key = ()
+
+    def stage_regions(self, i: int, regions: list | None) -> None:
+        """The region table of every row into staging buffer `i`: row r reads `regions[r]` (blocks, tokens) in
+        full, or nothing (pad block, length 0). Skipped while neither this forward nor the buffer has regions."""
+        if not regions and not self._region_staged[i]:
+            return
+        table0, managed, seq, vis = self.views[i][5:]
+        table0[:] = self.pad_block
+        managed[:] = False
+        seq[:] = 0
+        vis[:] = 0
+        for r, region in enumerate(regions or ()):
+            if region is not None:
+                n = len(region.blocks)
+                table0[r, :n] = region.blocks
+                managed[r, :n] = True
+                seq[r] = region.tokens
+                vis[r, :] = region.tokens
+        self._region_staged[i] = bool(regions)
 
     def upload(self, i: int, written: tuple[int, int]) -> None:
         """The forward's one host-to-device copy from staging buffer `i` (from :meth:`stage`), and its event.
@@ -197,9 +228,11 @@ class BucketMetadata:
 class MetadataBuilder:
     """Builds a forward's metadata for all layers at once, vectorized, and counts the copies."""
 
-    def __init__(self, pool: KVPool, device: torch.device | str | None = None) -> None:
-        """`device` defaults to the pool's; a "meta" pool with CPU metadata measures host cost alone."""
+    def __init__(self, pool: KVPool, device: torch.device | str | None = None, region_tokens: int = 0) -> None:
+        """`device` defaults to the pool's; a "meta" pool with CPU metadata measures host cost alone.
+        `region_tokens`: the longest shared region a forward's rows read (config.region_tokens)."""
         self.pool = pool
+        self.region_tokens = region_tokens
         self.device = torch.device(device) if device is not None else pool.tensor.device
         self.buckets: dict[Bucket, BucketMetadata] = {}
         self.builds = 0
@@ -217,11 +250,12 @@ class MetadataBuilder:
     def buffers(self, bucket: Bucket) -> BucketMetadata:
         meta = self.buckets.get(bucket)
         if meta is None:
-            meta = self.buckets[bucket] = BucketMetadata(bucket, self.pool, self.device)
+            meta = self.buckets[bucket] = BucketMetadata(bucket, self.pool, self.device, self.region_tokens)
         return meta
 
-    def build(self, bucket: Bucket, rows: list[RowLayout], key: tuple = ()) -> BucketMetadata:
-        """Fill `bucket`'s buffers from per-row layouts; skipped when `key` repeats the last build.
+    def build(self, bucket: Bucket, rows: list[RowLayout], key: tuple = (), regions: list | None = None) -> BucketMetadata:
+        """Fill `bucket`'s buffers from per-row layouts (and the shared region each row reads, `regions.py`);
+        skipped when `key` repeats the last build.
 
         Per row: four slice copies of the layout's numpy arrays and the reset of what the staging buffer held
         beyond them (its extent); rows the bucket has beyond the forward's are reset in one slice per buffer.
@@ -230,11 +264,19 @@ class MetadataBuilder:
         if key and key == meta.last_key:
             return meta
         self._check_fits(bucket, meta.width, rows, self.pool.block_size)
+        for r, region in enumerate(regions or ()):
+            if region is not None and len(region.blocks) > meta.region_width:
+                raise RequestError(
+                    f"row {r} reads a shared region of {region.tokens} tokens but the metadata holds "
+                    f"{meta.region_width} region blocks per row: set region_tokens >= {region.tokens} in the config "
+                    "(dreamzero_runtime_config(..., cross_regions=N) sets it to the model's cross_len)"
+                )
         # From here the buffers change: until this build completes they describe no plan, so a build that
         # fails half-way can never be skipped as a repeat of the previous key (another request's layout).
         meta.last_key = ()
         i = meta.stage()  # waits for its last copy
-        positions, table0, table_managed, seq, vis = meta.views[i]
+        positions, table0, table_managed, seq, vis = meta.views[i][:5]
+        meta.stage_regions(i, regions)
         tp, mp = meta.extent[i]
         # Until the upload records what was written, assume everything may be (a write that raised half-way).
         meta.extent[i] = (bucket.tokens, meta.width)

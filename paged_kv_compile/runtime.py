@@ -56,11 +56,13 @@ class PagedKVRuntime:
             self.pool, make_allocator(allocator, self.pool.blocks_per_layer),
             max_rows=config.max_rows, max_sessions=max_sessions,
         )
-        self.metadata = MetadataBuilder(self.pool)
+        self.metadata = MetadataBuilder(self.pool, region_tokens=config.region_tokens)
         self.active: ActiveForward | None = None
         self.generation = 0
         self._standin_base = torch.zeros((), dtype=config.dtype, device=config.device)
         binding.register_standin_storage(self._standin_base)
+        self._region_standin_base = torch.zeros((), dtype=config.dtype, device=config.device)
+        binding.register_standin_storage(self._region_standin_base, region=True)
         self._writable_standins: dict[tuple[int, ...], torch.Tensor] = {}
         self.bucket_misses: collections.Counter[Bucket] = collections.Counter()  # shape -> forwards refused/let through
         self._allow_unconfigured = False  # see allow_unconfigured_buckets()
@@ -88,6 +90,13 @@ class PagedKVRuntime:
             binding.register_standin_storage(buf)
             self._writable_standins[shape] = buf
         return buf
+
+    def region_standin(self, *shape: int) -> torch.Tensor:
+        """A zero-stride stand-in for K/V the model reads from a shared write-once region (DreamZero's
+        `cross_kvs`, `(2, B, tokens, H, D)`): compiled graphs read the forward's regions with `paged_kv::attend`."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return self._region_standin_base.expand(*shape)
 
     def is_standin(self, tensor: torch.Tensor) -> bool:
         return binding.is_standin(tensor)
@@ -129,7 +138,7 @@ class PagedKVRuntime:
         self.scheduler.check_in_flight(plan)
         try:
             bucket = self.bucket_for(len(plan.rows), plan.tokens, plan.context)
-            meta = self.metadata.build(bucket, plan.rows, plan.key)
+            meta = self.metadata.build(bucket, plan.rows, plan.key, regions=plan.regions)
         except BaseException:
             self.scheduler.abort_forward(plan)
             raise
@@ -215,6 +224,19 @@ class PagedKVRuntime:
                 "`with runtime.forward(plan):` (or a family helper such as runtime.dreamzero_forward)"
             )
         return self.active
+
+    def check_regions(self, tokens: int) -> None:
+        """A compiled site reads a `tokens`-token shared region per row: every row of the forward must hold one."""
+        plan = self.require_active().plan
+        regions = plan.regions or [None] * len(plan.rows)
+        for r, region in enumerate(regions):
+            if region is None or region.tokens != tokens:
+                have = "no shared region" if region is None else f"a region of {region.tokens} tokens"
+                raise RequestError(
+                    f"a compiled cross-attention site reads a {tokens}-token shared region (its K/V came in as a region "
+                    f"stand-in) but row {r} of this {plan.kind} forward ({plan.owner_id!r}) holds {have}: open the "
+                    "session with open_session(..., cross_kv=model.prepare_cross_kv(...)), or pass the dense cross K/V"
+                )
 
     def check_layout(self, expect: families.Expectation | None) -> None:
         """A compiled site's idiom must agree with the active forward's owner (window, sink, prefix)."""

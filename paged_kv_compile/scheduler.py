@@ -293,9 +293,18 @@ class Scheduler:
                 for new in plan.new_blocks:
                     self.free(new)
                 raise
+        plan.regions = self._plan_regions(plan)
         self.owners.move_to_end(owner_id)
         self.in_flight = plan
         return plan
+
+    def _plan_regions(self, plan: ForwardPlan) -> list[Region | None] | None:
+        """The shared region each row of an owner's plan reads (its owner row's), or None if it holds none."""
+        held = self.regions.held.get(plan.owner_id)
+        if not held:
+            return None
+        rows = plan.owner_rows if plan.owner_rows is not None else range(len(plan.rows))
+        return [held[r] for r in rows]
 
     def _check_writes(self, plan: ForwardPlan) -> None:
         """No forward writes a managed block that another owner also holds (a fork's shared history) or a block
@@ -367,12 +376,17 @@ class Scheduler:
                     self.free(new)
             raise
         rows = [r for p in parts for r in p.rows]
+        for part in parts:
+            part.regions = self._plan_regions(part)
+        regions = ([g for p in parts for g in (p.regions or [None] * len(p.rows))]
+                   if any(p.regions for p in parts) else None)
         keys = tuple(p.key for p in parts)
         positions = [k for p in parts for k in p.key_positions] if all(p.key_positions for p in parts) else None
         first = parts[0]
         plan = ForwardPlan(
             "+".join(ids), first.kind, rows, first.tokens, first.context, key=keys if all(keys) else (),
             keeps_kv=any(p.keeps_kv for p in parts), phase=first.phase, key_positions=positions, parts=parts,
+            regions=regions,
         )
         for oid in ids:
             self.owners.move_to_end(oid)

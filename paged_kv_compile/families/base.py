@@ -78,6 +78,10 @@ class ForwardPlan:
     state: dict[str, Any] = field(default_factory=dict)  # what the family's `finish` records on the owner
     #: a batched forward (`Scheduler.plan_batch`): the plan of each owner whose rows it carries, in row order
     parts: list["ForwardPlan"] = field(default_factory=list)
+    #: which of the owner's rows each forward row is (None: rows 0..n-1), e.g. a DreamZero branch plan's [b]
+    owner_rows: list[int] | None = None
+    #: per forward row, the shared write-once region (`regions.Region`) it reads, or None (set by the scheduler)
+    regions: list[Any] | None = None
 
     def owner_plans(self) -> list["ForwardPlan"]:
         """The per-owner plans this forward finishes or rolls back: its parts, or itself."""

@@ -178,6 +178,8 @@ def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessio
     if cross_regions and "blocks_per_layer" not in overrides and "budget_bytes" not in overrides:
         extra = cross_regions * ceil_div(model_cfg.cross_len, block_size)
         cfg = dataclasses.replace(cfg, blocks_per_layer=cfg.blocks_per_layer + extra)
+    if cross_regions and "region_tokens" not in overrides:
+        cfg = dataclasses.replace(cfg, region_tokens=model_cfg.cross_len)  # compiled cross-attention reads them
     return cfg
 
 
@@ -293,7 +295,7 @@ class DreamZeroFamily:
             raise
         key = (owner.owner_id, kind, owner.version, branch) if not commit else ()
         return ForwardPlan(owner.owner_id, kind, layouts, n + a, spec.window_tokens, new_blocks, key, keeps_kv=commit,
-                           phase={"chunk_tokens": n, "action_tokens": a})
+                           phase={"chunk_tokens": n, "action_tokens": a}, owner_rows=run)
 
     @staticmethod
     def _check_within_admission(owner: Owner, run: list[int], new: int, block_size: int) -> None:
@@ -435,6 +437,13 @@ class DreamZeroFamily:
         """One zero-stride `(2, batch, window, H, D)` stand-in, the same for every layer."""
         cfg = model.cfg
         standin = runtime.standin(2, batch, cfg.max_attention_size, cfg.num_heads, cfg.head_dim)
+        return [standin] * cfg.num_layers
+
+    def region_standins(self, runtime, model: torch.nn.Module, batch: int) -> list[torch.Tensor]:
+        """What the model gets instead of its `cross_kvs` when the session's cross-attention K/V is in shared
+        regions (`open_session(..., cross_kv=)`): one zero-stride `(2, batch, cross_len, H, D)` region stand-in."""
+        cfg = model.cfg
+        standin = runtime.region_standin(2, batch, cfg.cross_len, cfg.num_heads, cfg.head_dim)
         return [standin] * cfg.num_layers
 
 

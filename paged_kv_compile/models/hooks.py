@@ -52,6 +52,11 @@ class DenseHooks:
         """Per layer the cache the model's attention reads (geometry: e.g. prefix_capacity)."""
         return model.dense_caches(batch, **geometry)
 
+    def cross_kvs(self, model: torch.nn.Module, cross_kvs: list) -> list:
+        """What the model's cross-attention reads, given the session's write-once K/V (computed once per session):
+        the dense K/V themselves; a paged driver may keep them in shared regions and hand out stand-ins."""
+        return cross_kvs
+
     def forward(self, kind: str, **info: Any) -> contextlib.AbstractContextManager:
         """Context around one model forward; kind in {"commit", "denoise", "prefill", "step"}."""
         return contextlib.nullcontext()

@@ -7,7 +7,9 @@ extra placeholders (and the pool's scales, ``kv_scales=``, when it stores FP8: p
 mapping and block table are computed in the graph from the shared metadata and one per-layer base
 (`metadata.py: layer_metadata`). Stores into stand-ins are dropped (the op writes the pool), returned caches
 become stand-ins again, and a graph that still reads a stand-in afterwards is an error: it would compute on
-zeros.
+zeros. A site whose keys and values are a region stand-in (a shared write-once region, `passes/region.py`:
+DreamZero's cross-attention) becomes ``attend(q, pool, region_block_table, ...)``, the read-only op, with the
+forward's region table (`metadata.py: region_block_table`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import torch
 import torch.fx as fx
 
 from ..errors import PassError
-from ..metadata import layer_metadata
+from ..metadata import layer_metadata, region_block_table
 from .. import families
 from ..families.base import Expectation
-from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, movement_replay, to_bshd
+from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, movement_replay, sdpa_args, to_bshd
+from .region import region_source
 from .site import Match, Site, analyze, store_nodes
 
 
@@ -57,6 +60,7 @@ class PassResult:
     sites: list[RewrittenSite] = field(default_factory=list)
     expect: Expectation | None = None  # what every rewritten site of the graph assumes of the forward
     shape: tuple[int, int, int] | None = None  # (rows, tokens, context) the graph was compiled for
+    region_tokens: int | None = None  # tokens of the shared region its `attend` sites read (None: no such site)
 
     @property
     def changed(self) -> bool:
@@ -104,6 +108,7 @@ def rewrite(
     kernel: str = "auto",
     strict: bool = False,
     kv_scales: bool = False,
+    is_region=lambda value: False,
 ) -> PassResult:
     """Rewrite `gm` (a copy the caller owns) in place; returns the report and the added inputs' roles.
 
@@ -113,6 +118,7 @@ def rewrite(
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     values = dict(zip(placeholders, example_inputs))
     standins = {n for n, v in values.items() if is_standin(v)}
+    regions = {n for n in standins if is_region(values[n])}  # shared write-once regions: read with `attend`
     params = {n for n, v in values.items() if isinstance(v, torch.nn.Parameter) and v.dim() == 2}
     sdpa_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
     reports: list[SiteReport] = []
@@ -132,8 +138,24 @@ def rewrite(
         )
     stores = store_nodes(graph, standins)
     matched: list[tuple[Site, Match, fx.Node]] = []
+    region_matched: list[tuple[fx.Node, fx.Node, fx.Node]] = []  # (sdpa, region stand-in, layer weight)
     for node in sdpa_nodes:
-        site = analyze(node, standins, stores, params)
+        source = region_source(node, regions) if regions else None
+        if source is not None:
+            weight = find_parameter([sdpa_args(node)["query"]], params) if isinstance(source, fx.Node) else None
+            why = source if isinstance(source, str) else (
+                "" if weight is not None else "no per-layer 2-D weight feeds its query: the layer cannot be identified")
+            if why:
+                reports.append(SiteReport(node.name, "?", None, "refused", why))
+                msg = f"attention site {node.name} reads a shared-region stand-in but cannot be rewritten: {why}"
+                if strict:
+                    raise PassError(msg)
+                warnings.warn(msg + " (the graph will be rejected: a stand-in holds no data)", stacklevel=2)
+            else:
+                region_matched.append((node, source, weight))
+                reports.append(SiteReport(node.name, "shared-region", _source_name(weight), "rewritten"))
+            continue
+        site = analyze(node, standins - regions, stores, params)
         if site is None:
             reports.append(SiteReport(node.name, "-", None, "dense", "reads no cache stand-in (e.g. cross-attention)"))
             continue
@@ -163,6 +185,10 @@ def rewrite(
         reports.append(SiteReport(node.name, match.pattern, _source_name(weight), "rewritten"))
 
     result = PassResult(gm, reports)
+    if region_matched and not matched:
+        raise PassError(
+            "this graph reads a shared region (a region stand-in) but has no KV-cache window site to give it a shape "
+            "bucket: compile the block that holds the self-attention too (DreamZero: the whole CausalWanBlock)")
     if matched:
         shapes = set()
         for site, match, _ in matched:
@@ -174,7 +200,16 @@ def rewrite(
         if len(shapes) != 1:
             raise PassError(f"sites of one graph have different shapes {sorted(shapes)}; compile blocks separately")
         result.shape = shapes.pop()
-        _insert_ops(graph, matched, placeholders, kernel, result, kv_scales)
+        for node, source, _ in region_matched:
+            q, standin = example(sdpa_args(node)["query"]), example(source)
+            if (q.shape[0], q.shape[2]) != result.shape[:2]:
+                raise PassError(f"the region site {node.name} computes {tuple(q.shape)} queries, not the "
+                                f"(rows, tokens) = {result.shape[:2]} of the graph's window sites")
+            if result.region_tokens not in (None, standin.shape[2]):
+                raise PassError(f"region sites of one graph read regions of {result.region_tokens} and "
+                                f"{standin.shape[2]} tokens; compile blocks separately")
+            result.region_tokens = standin.shape[2]
+        _insert_ops(graph, matched, placeholders, kernel, result, kv_scales, region_matched)
 
     # Stores into a stand-in that no rewritten site took over (its site was refused): dead-code elimination
     # would drop them silently (FX treats in-place methods as pure), and later forwards would read a cache
@@ -200,16 +235,20 @@ def rewrite(
 #: Metadata placeholders shared by every site of a graph, after pool, seq_lens, kv_visible_end (and the FP8
 #: scales); each site then gets its layer's block base. `backend.py` appends the tensors in this order (metadata.py).
 SHARED_METADATA = ("paged_kv_positions", "paged_kv_table0", "paged_kv_table_managed")
+#: ...then, in a graph with shared-region sites, the forward's region table (metadata.py: `stage_regions`)
+REGION_METADATA = ("paged_kv_region_table0", "paged_kv_region_managed", "paged_kv_region_seq_lens",
+                   "paged_kv_region_visible_end")
 
 
 def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: PassResult,
-                kv_scales: bool = False) -> None:
+                kv_scales: bool = False, region_matched=()) -> None:
     last = placeholders[-1]
     shared = ["paged_kv_pool", "paged_kv_seq_lens", "paged_kv_visible_end"] + (["paged_kv_kv_scales"] if kv_scales else [])
+    region_names = list(REGION_METADATA) if region_matched else []
     with graph.inserting_after(last):
         extra_nodes = []
-        for name in shared + list(SHARED_METADATA) + [
-            f"paged_kv_block_base_{i}" for i in range(len(matched))
+        for name in shared + list(SHARED_METADATA) + region_names + [
+            f"paged_kv_block_base_{i}" for i in range(len(matched) + len(region_matched))
         ]:
             extra_nodes.append(graph.placeholder(name))
     # graph.placeholder inserts each after `last` in reverse order: put them in call order.
@@ -222,6 +261,8 @@ def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: Pas
     base = len(shared)
     positions, table0, table_managed = extra_nodes[base : base + len(SHARED_METADATA)]
     base += len(SHARED_METADATA)
+    region_meta = extra_nodes[base : base + len(region_names)]
+    base += len(region_names)
     index_of = {n: i for i, n in enumerate(placeholders)}
     for i, (site, match, weight) in enumerate(matched):
         block_base = extra_nodes[base + i]
@@ -256,6 +297,25 @@ def _insert_ops(graph: fx.Graph, matched, placeholders, kernel: str, result: Pas
                 raise PassError(f"the write positions of {node.name} are not an input of the graph; cannot check them")
             writes.append((*got, row))
         result.sites.append(RewrittenSite(index_of[weight], _source_name(weight), *(replay or (None, None)), writes))
+    for i, (node, _, weight) in enumerate(region_matched, start=len(matched)):
+        _insert_region_op(graph, node, pool, scales, region_meta, extra_nodes[base + i], kernel)
+        result.sites.append(RewrittenSite(index_of[weight], _source_name(weight)))
+
+
+def _insert_region_op(graph: fx.Graph, node: fx.Node, pool, scales: dict, region_meta, block_base, kernel: str) -> None:
+    """SDPA over a region stand-in -> `attend` over this layer's region table: all of the row's region, no write."""
+    table0, managed, seq_lens, visible = region_meta
+    args = sdpa_args(node)
+    with graph.inserting_before(node):
+        table = graph.call_function(region_block_table, (table0, managed, block_base))
+        q = graph.call_method("transpose", (args["query"], 1, 2))  # (B, H, T, D) -> (B, T, H, D)
+        d = example(node).shape[-1]
+        scale = args["scale"] if args["scale"] is not None else float(d) ** -0.5
+        out = graph.call_function(torch.ops.paged_kv.attend.default,
+                                  (q, pool, table, seq_lens, visible, float(scale), kernel, "full"), scales)
+        replacement = graph.call_method("transpose", (out, 1, 2))
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
 
 
 def _concat(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
