@@ -148,7 +148,8 @@ def bench_hunyuan(name: str, cfg, inner: str, repeats: int, inner_loops: int) ->
     return rows
 
 
-def bench_attention_only(name: str, dz_cfg, hy_cfg, repeats: int, inner_loops: int, quick: bool) -> list[dict]:
+def bench_attention_only(name: str, dz_cfg, hy_cfg, repeats: int, inner_loops: int, quick: bool,
+                         clock: str = "wall") -> list[dict]:
     """The attention of the same forwards alone (all layers), at the same shapes: dense cat + SDPA vs the op.
 
     Uses the GPU suite's workloads (benchmarks/gpu_suite.py) on the CPU with the reference kernel; it
@@ -172,31 +173,71 @@ def bench_attention_only(name: str, dz_cfg, hy_cfg, repeats: int, inner_loops: i
         paged = case.paged("reference")
         diff = max(float((a[:, case.compare_rows] - b[:, case.compare_rows]).abs().max())
                    for a, b in zip(paged(), case.dense["dense"]()))
-        times = interleaved({"dense": case.dense["dense"], "paged": paged}, repeats, inner_loops)
-        rows.append({"family": case.family, "config": name, "attention": case.name,
+        times = interleaved({"dense": case.dense["dense"], "paged": paged}, repeats, inner_loops,
+                            clock=time.thread_time if clock == "cpu" else time.perf_counter)
+        rows.append({"family": case.family, "config": name, "attention": case.name, "clock": clock,
                      "keys_per_query": case.info["keys_per_query"], **ratio_entry(times), "max_abs_diff": diff})
     return rows
 
 
+def op_overhead(repeats: int = 20, calls: int = 200) -> dict:
+    """Fixed host cost of one ``write_attend`` call at tiny shapes (2 rows x 16 tokens, 2 heads x 8): the op
+    through the dispatcher as the runtime calls it (the lean Autograd kernel, `ops/write_attend.py:
+    _lean_autograd`), the same through `custom_op`'s own Python layers, and the kernel function called
+    directly (`write_attend._run`: checks + reference kernel, no dispatcher). Each repeat times `calls`
+    calls of each, interleaved; microseconds per call, median and min over repeats, CPU time of the calling
+    thread (the dispatch is Python on this thread)."""
+    from paged_kv_compile.ops import write_attend as wa
+
+    R, T, H, D, B = 2, 16, 2, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(R, T, H, D, generator=gen) for _ in range(3))
+    pool = torch.zeros(2, 2 * R * T // B + 1, B, H, D)
+    slots = torch.arange(R * T, dtype=torch.int64).view(R, T)
+    table = torch.arange(R * T // B, dtype=torch.int32).view(R, T // B)
+    seq, vis = torch.full((R,), T, dtype=torch.int32), torch.full((R, T), T, dtype=torch.int32)
+    args = (q, k, v, pool, slots, table, seq, vis, D ** -0.5)
+    op = torch.ops.paged_kv.write_attend.default
+
+    def loop(fn):
+        def run():
+            for _ in range(calls):
+                fn()
+        return run
+
+    def through_custom_op_layers():
+        with wa.custom_op_layers():
+            loop(lambda: op(*args, "reference", "full"))()
+
+    fns = {"op (lean dispatch)": loop(lambda: op(*args, "reference", "full")),
+           "op (custom_op layers)": through_custom_op_layers,
+           "kernel function alone": loop(lambda: wa._run(*args, "reference", "full", None))}
+    times = interleaved(fns, repeats, clock=time.thread_time)
+    return {name: {"median_us": round(statistics.median(t) / calls * 1e6, 1),
+                   "min_us": round(min(t) / calls * 1e6, 1)} for name, t in times.items()}
+
+
 def run(quick: bool = False, inner: str | None = None, configs: list[str] | None = None,
-        repeats: int | None = None, threads: int | None = None) -> dict:
+        repeats: int | None = None, threads: int | None = None, attention_only: bool = False,
+        clock: str = "wall", overhead: bool = False) -> dict:
     inner = inner or ("aot_eager" if quick else "inductor")
     configs = configs or (["tiny"] if quick else ["tiny", "mid"])
     t0 = time.perf_counter()
     rows, attention = [], []
     with bench_settings(threads or (1 if quick else None)):
         machine = machine_info()
-        if inner == "inductor":
+        if inner == "inductor" and not attention_only:
             warm_inductor()
         for name in configs:
             reps, loops = (3, 1) if quick else REPEATS[name]
             reps = repeats or reps
             dz, hy = CONFIGS[name]
-            torch._dynamo.reset()
-            rows += bench_dreamzero(name, dz, inner, reps, loops, quick)
-            torch._dynamo.reset()
-            rows += bench_hunyuan(name, hy, inner, reps, loops)
-            attention += bench_attention_only(name, dz, hy, reps, loops, quick)
+            if not attention_only:
+                torch._dynamo.reset()
+                rows += bench_dreamzero(name, dz, inner, reps, loops, quick)
+                torch._dynamo.reset()
+                rows += bench_hunyuan(name, hy, inner, reps, loops)
+            attention += bench_attention_only(name, dz, hy, reps, loops, quick, clock)
     return {
         "benchmark": "forward_time",
         "machine": machine,
@@ -204,6 +245,7 @@ def run(quick: bool = False, inner: str | None = None, configs: list[str] | None
                      "configs": configs, "quick": quick, "dtype": "float32"},
         "rows": rows,
         "attention_rows": attention,
+        **({"op_overhead": op_overhead(3 if quick else 20)} if overhead else {}),
         "seconds": round(time.perf_counter() - t0, 1),
     }
 
@@ -250,18 +292,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; 1 with --quick)")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="only the attention-alone table (no model forwards, nothing compiled)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="what the attention-alone table times: wall time, or the calling thread's CPU time "
+                             "(time.thread_time, not inflated by other processes' preemption; use with --threads 1, "
+                             "where that thread does all the work)")
+    parser.add_argument("--op-overhead", action="store_true",
+                        help="also the fixed host cost of one op call at tiny shapes: lean dispatch vs custom_op's "
+                             "Python layers vs the kernel function alone")
     args = parser.parse_args(argv)
     configs = args.configs.split(",") if args.configs else None
-    result = run(args.quick, args.inner, configs, args.repeats, args.threads)
+    result = run(args.quick, args.inner, configs, args.repeats, args.threads, args.attention_only, args.clock,
+                 args.op_overhead)
     if args.json:
         print(json.dumps(result))
         return 0
     s = result["settings"]
     print(f"forward time, paged / dense (inner compiler {s['inner_compiler']}, kernel {s['kernel']}, "
           f"{result['machine']['torch_threads']} threads, {result['seconds']} s)")
-    print(format_table(table_rows(result), COLUMNS))
-    print("\nattention alone (dense cat + SDPA vs write_attend, reference kernel), same shapes")
+    if result["rows"]:
+        print(format_table(table_rows(result), COLUMNS))
+    print(f"\nattention alone (dense cat + SDPA vs write_attend, reference kernel), same shapes, {args.clock} time")
     print(format_table(attention_table_rows(result), ATTENTION_COLUMNS))
+    if "op_overhead" in result:
+        print("\none write_attend call at tiny shapes, us of CPU time (median, min over repeats)")
+        for name, t in result["op_overhead"].items():
+            print(f"  {name:24s} {t['median_us']:8.1f} {t['min_us']:8.1f}")
     return 0
 
 

@@ -244,3 +244,11 @@ def test_gpu_check_dry_run(tmp_path, capsys):
     fp32 = [f for f in tests["figures"] if "bfloat16" not in f["test"]]
     assert fp32 and all(f["max_abs_diff_vs_dense"] <= 1e-5 for f in fp32)
     assert "overall: PASS" in capsys.readouterr().out
+
+
+def test_op_overhead_times_the_three_call_paths():
+    """`forward_time --op-overhead`: the op through the lean dispatch, through custom_op's layers, and the
+    kernel function alone; structure only, never a timing."""
+    result = forward_time.op_overhead(repeats=2, calls=3)
+    assert set(result) == {"op (lean dispatch)", "op (custom_op layers)", "kernel function alone"}
+    assert all(r["min_us"] > 0 and r["median_us"] >= r["min_us"] for r in result.values())

@@ -169,3 +169,39 @@ def test_value_checks_can_be_turned_off(monkeypatch):
     ends = case.kv_visible_end.clone().fill_(9)  # beyond seq_len: clamped by the kernel, rejected by the checks
     out = write_attend(*case.args()[:-1], ends, case.scale, "reference")
     assert out.shape == case.query.shape
+
+
+def test_a_call_without_gradients_skips_custom_ops_python_layers_and_still_bumps_the_pool_version(monkeypatch):
+    """`write_attend._lean_autograd`: a call where no input needs a gradient goes from one Python Autograd
+    kernel straight to the backend, so `custom_op`'s ADInplaceOrView layer (its per-call `fill_defaults`) is
+    never reached; the pool's version counter still moves (it is the op's one mutated argument) and the
+    output is the same as the reference kernel's. With an input that requires grad, `custom_op`'s own layers
+    run (the output carries a grad_fn whose backward says no formula is registered)."""
+    import torch._library.utils as library_utils
+
+    calls = []
+    real = library_utils.fill_defaults
+    monkeypatch.setattr(library_utils, "fill_defaults", lambda *a: calls.append(1) or real(*a))
+    case = make_case(seed=3, hkv=1, ratio=2, block_size=4, tokens=3, prefixes=[5, 2], new_counts=[3, 1],
+                     modes=["causal", "full"])
+    before, version = case.pool.clone(), case.pool._version
+    out = write_attend.default(*case.args(), case.scale, "reference")
+    assert calls == [], "custom_op's ADInplaceOrView layer ran"
+    assert case.pool._version > version, "the pool's version counter must move"
+    torch.testing.assert_close(out, dense_oracle(case), atol=1e-5, rtol=0)
+    assert torch.equal(case.pool, expected_pool(case, before))
+    with wa.custom_op_layers():  # what benchmarks/forward_time.py --op-overhead compares against
+        write_attend.default(*case.args(), case.scale, "reference")
+    assert calls, "inside custom_op_layers the ops run through custom_op's own layers"
+    calls.clear()
+    write_attend.default(*case.args(), case.scale, "reference")
+    assert calls == [], "custom_op_layers restores the lean kernel"
+
+    case = make_case(seed=3, hkv=1, ratio=2, block_size=4, tokens=3, prefixes=[5, 2], new_counts=[3, 1],
+                     modes=["causal", "full"])
+    args = list(case.args())
+    args[0] = args[0].clone().requires_grad_()
+    out = write_attend.default(*args, case.scale, "reference")
+    assert calls, "with a gradient needed, custom_op's own layers run"
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.sum().backward()

@@ -18,6 +18,9 @@ scales are read, never written, so the pool stays the one mutated argument.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from ..config import KERNELS
@@ -277,3 +280,61 @@ def _attend_fake(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, k
     validate_inputs(query, None, None, kv_pool, None, block_table, seq_lens, kv_visible_end, kernel, visibility,
                     kv_scales)
     return query.new_empty(query.shape)
+
+
+#: per op name: (the lean Autograd kernel registered below, custom_op's own), for `custom_op_layers`
+AUTOGRAD_KERNELS: dict[str, tuple] = {}
+
+
+def _lean_autograd(op_def) -> None:
+    """Replace `custom_op`'s Python Autograd kernel of `op_def` with one that costs one Python call when no
+    input needs a gradient (always, for the runtime): bump the mutated arguments' version counters, as
+    `custom_op`'s ADInplaceOrView kernel does, and redispatch straight to the backend kernel.
+
+    Why: on the CPU every call went through two Python layers before the kernel, `custom_op`'s Autograd
+    kernel and its ADInplaceOrView kernel, whose `torch._library.utils.fill_defaults` rebuilds the schema's
+    argument list once per argument; about 0.2 ms per call measured at tiny shapes (docs/benchmarks.md).
+    When an input requires grad, `custom_op`'s own kernel runs (same behaviour as before). On a torch
+    without these internals the registration is left as `custom_op` made it.
+    """
+    try:
+        from torch._library.autograd import make_autograd_impl
+
+        overload = op_def._opoverload
+        original = make_autograd_impl(overload, op_def)
+        below = torch._C._after_ADInplaceOrView_keyset
+        below_autograd = torch._C._AutoDispatchBelowAutograd
+        lib = op_def._lib
+    except (ImportError, AttributeError):  # pragma: no cover - another torch version
+        return
+    mutated = [i for i, a in enumerate(overload._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    bump = torch.autograd.graph.increment_version
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return original(keyset, *args, **kwargs)
+        for i in mutated:  # never dropped by the dispatcher: mutated arguments have no default
+            bump(args[i])
+        with below_autograd():
+            return overload.redispatch(keyset & below, *args, **kwargs)
+
+    name = overload._schema.name.split("::")[1]
+    lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    AUTOGRAD_KERNELS[name] = (lib, autograd_kernel, original)
+
+
+@contextlib.contextmanager
+def custom_op_layers() -> Iterator[None]:
+    """Within the block the ops run through `custom_op`'s own Python layers again (benchmarks measure what
+    `_lean_autograd` saves: benchmarks/forward_time.py, ``--op-overhead``)."""
+    for name, (lib, _, original) in AUTOGRAD_KERNELS.items():
+        lib.impl(name, original, "Autograd", with_keyset=True)
+    try:
+        yield
+    finally:
+        for name, (lib, lean, _) in AUTOGRAD_KERNELS.items():
+            lib.impl(name, lean, "Autograd", with_keyset=True)
+
+
+_lean_autograd(write_attend)
+_lean_autograd(attend)
