@@ -13,6 +13,8 @@ Isolation (as vLLM's `cache_salt`: a cache hit across tenants leaks through timi
     pool's dtype) before any block is shared, so a forged or colliding caller key gets a region of its own and
     reads its own values;
   * region blocks are never written by a forward (`Scheduler._check_writes`).
+Keying by bytes (no `content_keys`) hashes the stored K/V on the host: one device-to-host copy per row at
+admission; a caller key (e.g. a hash of the prompt's token ids) avoids it, and the byte comparison stays on the device.
 """
 
 from __future__ import annotations

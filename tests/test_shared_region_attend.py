@@ -25,25 +25,27 @@ CFG = DreamZeroConfig(num_layers=2, sink_size=2, text_len=5, image_len=3)
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "no_grad")
 
 
-def make_rig(sessions: int = 1, max_rows: int = 2):
+def make_rig(sessions: int = 1, max_rows: int = 2, inner: str = "aot_eager"):
     model = DreamZeroModel(CFG, seed=1)
     runtime = PagedKVRuntime(dreamzero_runtime_config(CFG, block_size=8, sessions=sessions, max_rows=max_rows,
                                                       cross_regions=2 * sessions, kernel="reference",
-                                                      inner_compiler="aot_eager"))
+                                                      inner_compiler=inner))
     runtime.bind(model.blocks)
-    backend = CountingBackend({"inner_compiler": "aot_eager"})
+    backend = CountingBackend({"inner_compiler": inner})
     compile_blocks(model.blocks, backend)
     return model, runtime, backend
 
 
-def test_shared_region_rollout_reads_cross_attention_from_the_pool():
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_shared_region_rollout_reads_cross_attention_from_the_pool(inner):
     dense = dreamzero_rollout(DreamZeroModel(CFG, seed=1), num_chunks=9, num_inference_steps=2, seed=3)
-    model, runtime, backend = make_rig()
+    model, runtime, backend = make_rig(inner=inner)
     paged = paged_dreamzero_rollout(model, runtime, num_chunks=9, num_inference_steps=2, seed=3, shared_cross=True,
                                     cache_salt="tenant")
     assert dense["resets"] == paged["resets"] and dense["resets"]
-    for key in ("video", "actions"):
-        assert (dense[key] - paged[key]).abs().max().item() <= ATOL
+    worst = max((dense[key] - paged[key]).abs().max().item() for key in ("video", "actions"))
+    print(f"shared-region rollout, {inner}: max abs difference vs dense eager {worst:.3g}")
+    assert worst <= ATOL
     assert backend.frames == 1  # one frame: every layer, commit and denoise, across the reset
     result = backend.results[0]
     assert sorted(r.pattern for r in result.reports if r.status == "rewritten") == ["dreamzero-window", "shared-region"]
@@ -51,6 +53,7 @@ def test_shared_region_rollout_reads_cross_attention_from_the_pool():
     code = result.graph_module.code
     assert "paged_kv.attend" in code and "paged_kv.write_attend" in code
     assert not host_syncs(result.graph_module)
+    assert runtime.scheduler.regions.held == {}
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer  # regions freed at close
 
 
