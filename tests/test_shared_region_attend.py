@@ -57,6 +57,21 @@ def test_shared_region_rollout_reads_cross_attention_from_the_pool(inner):
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer  # regions freed at close
 
 
+def test_shared_region_warmup_then_rollout_compiles_nothing_and_matches_dense():
+    """Warm-up (and CUDA-graph capture, on a GPU) compiles the region graph: serving then compiles nothing."""
+    from paged_kv_compile.capture import warm_up
+
+    dense = dreamzero_rollout(DreamZeroModel(CFG, seed=1), num_chunks=5, num_inference_steps=2, seed=3)
+    model, runtime, backend = make_rig()
+    captured = warm_up(model, runtime, progress=False)
+    assert backend.frames == 1 and backend.results[0].region_tokens == CFG.cross_len
+    with captured.serving():  # fail_on_recompile
+        paged = paged_dreamzero_rollout(model, runtime, num_chunks=5, num_inference_steps=2, seed=3,
+                                        shared_cross=True, cache_salt="t")
+    assert backend.frames == 1 and captured.stats["fallback_calls"] == 0
+    assert max((dense[k] - paged[k]).abs().max().item() for k in ("video", "actions")) <= ATOL
+
+
 def _inputs(seed: int, rows: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, CFG.chunk_tokens, CFG.in_channels, generator=g)

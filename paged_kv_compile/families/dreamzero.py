@@ -525,7 +525,9 @@ def dreamzero_block_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]
         cos,
         sin,
         DREAMZERO.standin_caches(runtime, model, R)[0],  # what the driver hands the model
-        zeros(2, R, cfg.cross_len, H, D),  # cross-attention K/V
+        # cross-attention K/V: a region stand-in when the runtime's compiled graphs read shared regions
+        # (config.region_tokens, set by dreamzero_runtime_config(cross_regions=N)), else dense
+        DREAMZERO.region_standins(runtime, model, R)[0] if runtime.config.region_tokens else zeros(2, R, cfg.cross_len, H, D),
     )
     return args, {}
 
