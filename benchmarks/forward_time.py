@@ -238,6 +238,7 @@ def run(quick: bool = False, inner: str | None = None, configs: list[str] | None
                 torch._dynamo.reset()
                 rows += bench_hunyuan(name, hy, inner, reps, loops)
             attention += bench_attention_only(name, dz, hy, reps, loops, quick, clock)
+        extra = {"op_overhead": op_overhead(3 if quick else 20)} if overhead else {}
     return {
         "benchmark": "forward_time",
         "machine": machine,
@@ -245,7 +246,7 @@ def run(quick: bool = False, inner: str | None = None, configs: list[str] | None
                      "configs": configs, "quick": quick, "dtype": "float32"},
         "rows": rows,
         "attention_rows": attention,
-        **({"op_overhead": op_overhead(3 if quick else 20)} if overhead else {}),
+        **extra,
         "seconds": round(time.perf_counter() - t0, 1),
     }
 
