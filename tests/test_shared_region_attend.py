@@ -159,3 +159,36 @@ def test_shared_region_site_the_pass_cannot_read_is_refused_not_wrong():
             compiled(torch.zeros(R, T, CFG.dim), torch.zeros(R, 6, CFG.dim), cos, sin,
                      families.for_model(model).standin_caches(runtime, model, R)[0],
                      families.get("dreamzero").region_standins(runtime, model, R)[0])
+
+
+def test_shared_region_in_an_fp8_pool_reads_what_the_layer_scales_store():
+    """FP8 pool: a region holds its K/V quantized with each layer's scales, and `attend` dequantizes them with the
+    same ones. Oracle: the same paged FP8 rollout handed those quantize-dequantized K/V densely."""
+    from paged_kv_compile.driver import PagedHooks
+    from paged_kv_compile.ops.fp8 import dequantize, quantize
+
+    scales = torch.tensor([[0.02], [0.05]])  # per layer (the same for every head), K and V alike
+    fp8 = torch.float8_e4m3fn
+
+    def rig():
+        model = DreamZeroModel(CFG, seed=1)
+        runtime = PagedKVRuntime(dreamzero_runtime_config(CFG, block_size=8, cross_regions=2, kernel="reference",
+                                                          inner_compiler="aot_eager", kv_dtype=fp8))
+        runtime.pool.set_scales(scales, scales)
+        runtime.bind(model.blocks)
+        compile_blocks(model.blocks, CountingBackend({"inner_compiler": "aot_eager"}))
+        return model, runtime
+
+    class QuantizedDenseCross(PagedHooks):
+        def cross_kvs(self, model, cross_kvs):
+            return [dequantize(quantize(kv, s, fp8), s, kv.dtype) for kv, s in zip(cross_kvs, scales)]
+
+    model, runtime = rig()
+    paged = paged_dreamzero_rollout(model, runtime, num_chunks=3, num_inference_steps=2, seed=3, shared_cross=True,
+                                    cache_salt="t")
+    torch._dynamo.reset()
+    model, runtime = rig()
+    want = paged_dreamzero_rollout(model, runtime, num_chunks=3, num_inference_steps=2, seed=3,
+                                   make_hooks=QuantizedDenseCross)
+    worst = max((want[k] - paged[k]).abs().max().item() for k in ("video", "actions"))
+    assert worst <= ATOL, worst
