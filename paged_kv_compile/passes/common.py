@@ -433,3 +433,29 @@ def to_bshd(graph: fx.Graph, use: LeafUse, start: int, stop: int) -> fx.Node:
     if (start, stop) != (0, use.shape[use.seq_dim]):
         node = graph.call_function(operator.getitem, (node, (slice(None), slice(start, stop))))
     return node
+
+
+def write_rows(writes: Writes, stores: list[fx.Node], prov: Provenance) -> list[tuple[fx.Node, int | None, int]] | str:
+    """Per data-positioned store: (index node, the row its value comes from or None for all rows, cache length).
+
+    The index must be data movement of one graph input (the runtime checks its values at every call)."""
+    out = []
+    probed = [s for s in stores if writes.probes.get(s) is not None]
+    for store, (index, _, length) in zip(probed, writes.index_nodes):
+        leaves, _ = movement_leaves(index)
+        if len(leaves) != 1 or leaves[0].op != "placeholder":
+            return (f"{store.name} writes the cache at positions computed inside the graph; pass them in (e.g. "
+                    "position_ids) so that the runtime can check them against its layout")
+        value = store.args[STORE_VALUE_ARG["index_copy_"]]
+        tags = prov.values.get(value)
+        if not isinstance(tags, torch.Tensor):
+            return f"{store.name}: its written value could not be followed"
+        leaf_ids = torch.unique(tags >> _TAG_SHIFT).tolist()
+        if len(leaf_ids) != 1:
+            return f"{store.name} writes several tensors at once"
+        shape = tuple(example(prov.leaves[leaf_ids[0] - 1]).shape)
+        rows = torch.unique((tags & _TAG_MASK) // (int(torch.Size(shape).numel()) // shape[0])).tolist()
+        out.append((index, None if len(rows) == shape[0] and tags.dim() == len(shape) else rows[0], length))
+        if len(rows) != 1 and out[-1][1] is not None:
+            return f"{store.name} writes part of several rows"
+    return out

@@ -15,8 +15,6 @@ import torch.fx as fx
 
 from ..families.base import Expectation
 from .common import (
-    _TAG_MASK,
-    _TAG_SHIFT,
     STORE_VALUE_ARG,
     LeafUse,
     Provenance,
@@ -27,6 +25,7 @@ from .common import (
     movement_leaves,
     plan_writes,
     provenance,
+    write_rows,
     sdpa_args,
     store_name,
     windowed_columns,
@@ -182,32 +181,6 @@ def _read_after_write_refusal(stores: list[fx.Node], why: str) -> str:
     )
 
 
-def _write_rows(writes: Writes, stores: list[fx.Node], prov: Provenance) -> list[tuple[fx.Node, int | None, int]] | str:
-    """Per data-positioned store: (index node, the row its value comes from or None for all rows, cache length).
-
-    The index must be data movement of one graph input (the runtime checks its values at every call)."""
-    out = []
-    probed = [s for s in stores if writes.probes.get(s) is not None]
-    for store, (index, _, length) in zip(probed, writes.index_nodes):
-        leaves, _ = movement_leaves(index)
-        if len(leaves) != 1 or leaves[0].op != "placeholder":
-            return (f"{store.name} writes the cache at positions computed inside the graph; pass them in (e.g. "
-                    "position_ids) so that the runtime can check them against its layout")
-        value = store.args[STORE_VALUE_ARG["index_copy_"]]
-        tags = prov.values.get(value)
-        if not isinstance(tags, torch.Tensor):
-            return f"{store.name}: its written value could not be followed"
-        leaf_ids = torch.unique(tags >> _TAG_SHIFT).tolist()
-        if len(leaf_ids) != 1:
-            return f"{store.name} writes several tensors at once"
-        shape = tuple(example(prov.leaves[leaf_ids[0] - 1]).shape)
-        rows = torch.unique((tags & _TAG_MASK) // (int(torch.Size(shape).numel()) // shape[0])).tolist()
-        out.append((index, None if len(rows) == shape[0] and tags.dim() == len(shape) else rows[0], length))
-        if len(rows) != 1 and out[-1][1] is not None:
-            return f"{store.name} writes part of several rows"
-    return out
-
-
 def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params: set[fx.Node]) -> Site | str | None:
     """A `Site`; a refusal reason (str); or None when the site touches no cache at all.
 
@@ -240,7 +213,7 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
     write_indices: list[tuple[fx.Node, int | None, int]] = []
     for name in ("key", "value"):
         if write_plans[name] is not None:
-            got = _write_rows(write_plans[name], written, provs[name])
+            got = write_rows(write_plans[name], written, provs[name])
             if isinstance(got, str):
                 return _read_after_write_refusal(written, got)
             write_indices += [w for w in got if w not in write_indices]
