@@ -264,6 +264,8 @@ class MetadataBuilder:
         if key and key == meta.last_key:
             return meta
         self._check_fits(bucket, meta.width, rows, self.pool.block_size)
+        if not self.region_tokens:
+            regions = None  # no compiled graph of this runtime reads a region (a region site refuses to compile)
         for r, region in enumerate(regions or ()):
             if region is not None and len(region.blocks) > meta.region_width:
                 raise RequestError(

@@ -162,13 +162,14 @@ class SharedRegions:
             out.append(RegionRequest(region_digest(salt, stored, keys[r]), stored))
         return out
 
-    def resolve(self, pool: KVPool, requests: list[RegionRequest]) -> RegionPlan:
-        """Per row: a live region with this digest AND these bytes (confirmed), or a new one; changes nothing."""
+    def resolve(self, pool: KVPool, requests: list[RegionRequest], ending: set[int] = frozenset()) -> RegionPlan:
+        """Per row: a live region with this digest AND these bytes (confirmed), or a new one; changes nothing.
+        `ending`: ids of regions about to be freed (an eviction's), never shared."""
         plan = RegionPlan(requests)
         for req in requests:
             found: Region | int | None = None
             for region in self._by_digest.get(req.digest, ()):
-                if region.tokens == req.tokens and _same_bytes(pool.read_region(region.blocks, region.tokens),
+                if id(region) not in ending and region.tokens == req.tokens and _same_bytes(pool.read_region(region.blocks, region.tokens),
                                                                req.stored):
                     found = region
                     break
@@ -205,6 +206,11 @@ class SharedRegions:
             self._by_digest.setdefault(region.digest, []).append(region)
             self.blocks.update(region.blocks)
         self.held[owner_id] = held
+
+    def ending_with(self, owner_id: str) -> set[int]:
+        """Ids of the regions that only `owner_id` holds: releasing it frees them."""
+        held = self.held.get(owner_id, [])
+        return {id(r) for r in held if r.holders == sum(h is r for h in held)}
 
     # ---- forks and release ----------------------------------------------------------------------
     def fork(self, parent_id: str, child_id: str, allocator: BlockAllocator) -> None:

@@ -206,15 +206,32 @@ class Scheduler:
             requests = None
         else:
             requests = self.regions.requests(self.pool, cross_kv, rows, cache_salt, content_keys)
+        victim = None
         if fam.evict_lru and self.max_sessions is not None:
             live = [o for o in self.owners.values() if o.family == fam.name]
             if len(live) >= self.max_sessions:
-                self._release(live[0], "evicted (LRU cap on live sessions)")
+                victim = live[0]
         if requests is None:
+            if victim is not None:
+                self._release(victim, "evicted (LRU cap on live sessions)")
             self.owners[owner_id] = Owner(owner_id, fam.name, spec, self.allocate_rows(counts))
             return
-        plan = self.regions.resolve(self.pool, requests)  # after any eviction: it may have ended a region
-        taken = self.allocate_rows(counts + plan.new_block_counts(self.block_size))
+        # Regions take blocks at admission: check they fit (with what an eviction would free) before evicting.
+        ending = self.regions.ending_with(victim.owner_id) if victim is not None else set()
+        plan = self.regions.resolve(self.pool, requests, ending)
+        need = counts + plan.new_block_counts(self.block_size)
+        free = self.allocator.num_free + (self._freed_by(victim) if victim is not None else 0)
+        if sum(need) > free:
+            never = sum(need) > self.allocator.num_blocks
+            raise CapacityError(
+                f"needs {sum(need)} free blocks per layer (its rows and new shared regions), {free} are free"
+                + (" even after evicting the least recently used session" if victim is not None else "")
+                + (f"; the whole pool has {self.allocator.num_blocks}: it can never fit" if never else
+                   "; retry after other sessions close")
+                + ", or raise the pool budget (dreamzero_runtime_config(..., cross_regions=N) makes room for N regions)")
+        if victim is not None:
+            self._release(victim, "evicted (LRU cap on live sessions)")
+        taken = self.allocate_rows(need)
         try:
             self.regions.admit(owner_id, plan, taken[len(counts):], self.pool, self.allocator)
         except BaseException:
@@ -223,6 +240,14 @@ class Scheduler:
             self.regions.held.pop(owner_id, None)
             raise
         self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken[: len(counts)])
+
+    def _freed_by(self, owner: Owner) -> int:
+        """How many blocks releasing `owner` would free: those it alone holds (rows and regions)."""
+        mine: dict[int, int] = {}
+        for blocks in [*owner.rows, *(r.blocks for r in self.regions.of(owner.owner_id))]:
+            for b in blocks:
+                mine[b] = mine.get(b, 0) + 1
+        return sum(1 for b, n in mine.items() if self.allocator.refcount(b) == n)
 
     def drop_history(self, owner_id: str, *, family: str | None = None) -> None:
         """Free every block of an owner; it stays admitted (a DreamZero window reset)."""

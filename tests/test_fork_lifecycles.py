@@ -47,12 +47,14 @@ class ForkLifecycles(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         cfg = PagedKVConfig(num_layers=2, num_kv_heads=1, head_dim=4, block_size=B, blocks_per_layer=20,
-                            max_rows=MAX_ROWS, scratch_tokens_per_row=12)
+                            max_rows=MAX_ROWS, scratch_tokens_per_row=12, region_tokens=CROSS_TOKENS)
         self.rt = PagedKVRuntime(cfg, allocator=self.allocator, max_sessions=6)
         self.counter = 0
         self.gen = torch.Generator().manual_seed(0)
         self.forks = self.batched = self.shared_checked = self.regions_opened = 0
-        self.region_bytes: dict[int, torch.Tensor] = {}  # id(Region) -> the bytes it was created with
+        #: id(Region) -> (that Region, the bytes it was created with); the Region is kept so that an id reused by a
+        #: later region (after an eviction freed the first within the same step) is never taken for it
+        self.region_bytes: dict[int, tuple] = {}
         self.tenant_of: dict[str, str | None] = {}  # session -> the cache_salt it (or its fork parent) opened with
 
     # ---- helpers ------------------------------------------------------------------------------------
@@ -130,7 +132,8 @@ class ForkLifecycles(RuleBasedStateMachine):
         self.tenant_of[sid] = tenant
         for r, (region, seed) in enumerate(zip(self.rt.regions_of(sid), seeds)):
             assert torch.equal(self.rt.pool.read_region(region.blocks, region.tokens), CROSS[seed]), "wrong content"
-            self.region_bytes.setdefault(id(region), CROSS[seed])
+            if self.region_bytes.get(id(region), (None,))[0] is not region:
+                self.region_bytes[id(region)] = (region, CROSS[seed])
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())
@@ -173,7 +176,8 @@ class ForkLifecycles(RuleBasedStateMachine):
         live = self._regions()
         for key, region in live.items():
             got = self.rt.pool.read_region(region.blocks, region.tokens)
-            assert torch.equal(got, self.region_bytes[key]), "a region's bytes changed"
+            recorded, content = self.region_bytes[key]
+            assert recorded is region and torch.equal(got, content), "a region's bytes changed"
         for key in set(self.region_bytes) - set(live):  # forgotten once nobody holds them (ids may be reused)
             del self.region_bytes[key]
         by_block: dict[int, set] = {}

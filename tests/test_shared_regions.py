@@ -258,3 +258,24 @@ def test_shared_regions_memory_benchmark():
     assert measured[0]["shared_bytes"] == measured[1]["shared_bytes"] == measured[0]["unshared_bytes"]
     assert measured[1]["unshared_bytes"] == 3 * measured[0]["unshared_bytes"]
     assert [m["shared_writes"] for m in measured] == [2, 2] and measured[1]["unshared_writes"] == 6
+
+
+
+def test_shared_region_admission_checks_capacity_before_evicting():
+    """Regions take blocks at admission. With the LRU cap reached, a session that cannot fit is refused before
+    anyone is evicted, and one that fits only with the evicted session's blocks does not share a region that the
+    eviction ends (it writes its own)."""
+    rt = PagedKVRuntime(dreamzero_runtime_config(CFG, kernel="reference", blocks_per_layer=9), max_sessions=1)
+    rt.open_session("old", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # 4 of 9 blocks
+    with rt.dreamzero_forward("old", commit=True):
+        pass  # + 2 history blocks: 3 free
+    huge = [torch.cat([t] * 4, dim=2)[:, :, :20] for t in cross_kv(3, 4)]  # 20 tokens: 5 blocks per row
+    before = rt.state()
+    with pytest.raises(CapacityError, match="needs 10 free blocks per layer .* it can never fit"):
+        rt.open_session("huge", SPEC, cross_kv=huge, cache_salt="t")
+    assert rt.state() == before  # "old" was not evicted
+    rt.open_session("new", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # evicts "old", 4 new blocks
+    assert rt.scheduler.finished["old"].startswith("evicted")
+    assert [r.holders for r in rt.regions_of("new")] == [1, 1]
+    assert torch.equal(stored(rt, "new", 0), expected(PROMPT)) and torch.equal(stored(rt, "new", 1), expected(NEGATIVE))
+    assert_refcounts_exact(rt)
