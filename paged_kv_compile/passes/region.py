@@ -27,7 +27,7 @@ def region_source(node: fx.Node, regions: set[fx.Node]) -> fx.Node | str | None:
         leaves, moves = movement_leaves(arg)
         hits = [leaf for leaf in leaves if leaf in regions]
         if not hits:
-            if found or half == 1 and _reads_region(args["key"], regions):
+            if found:
                 return f"its {name} does not come from the region stand-in its keys come from"
             continue
         if len(leaves) != 1:
@@ -51,7 +51,3 @@ def region_source(node: fx.Node, regions: set[fx.Node]) -> fx.Node | str | None:
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != standin.shape[1] or q.shape[1] != standin.shape[3]:
         return "its query is not (B, H, T, D) with the region's batch and heads"
     return found[0]
-
-
-def _reads_region(arg, regions: set[fx.Node]) -> bool:
-    return isinstance(arg, fx.Node) and any(leaf in regions for leaf in movement_leaves(arg)[0])
