@@ -222,6 +222,9 @@ class _CacheRecorder:
         self.driver.caches = self.driver.hooks.caches(model, batch, **geometry)
         return self.driver.caches
 
+    def cross_kvs(self, model, cross_kvs):
+        return self.driver.hooks.cross_kvs(model, cross_kvs)
+
     def window_reset(self) -> None:
         self.driver.hooks.window_reset()
 

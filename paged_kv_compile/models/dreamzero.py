@@ -484,10 +484,7 @@ def dreamzero_steps(
         image_context = noise(1, cfg.image_len, cfg.image_dim)
     if image_context is not None:
         image_context = image_context.expand(2, -1, -1)  # both branches see the image
-    cross_kvs = model.prepare_cross_kv(context, image_context)
-    handover = getattr(hooks, "cross_kvs", None)  # optional: duck-typed hooks (benchmarks/_common.py) lack it
-    if handover is not None:
-        cross_kvs = handover(model, cross_kvs)
+    cross_kvs = hooks.cross_kvs(model, model.prepare_cross_kv(context, image_context))
     caches = hooks.caches(model, 2)
 
     sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
