@@ -73,6 +73,18 @@ def movement_leaves(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     return sorted(leaves, key=order.__getitem__), sorted(moves, key=order.__getitem__)
 
 
+def leaf_offsets(node: fx.Node) -> tuple[fx.Node, torch.Tensor] | None:
+    """For `node`, pure data movement of ONE graph tensor: (that leaf, each element's flat index in it), read by
+    running the movement on tags; None when it reads several tensors or cannot be evaluated at static shapes."""
+    leaves, moves = movement_leaves(node)
+    if len(leaves) != 1:
+        return None
+    values = _evaluate(node, leaves, moves)
+    if values is None:
+        return None
+    return leaves[0], values[node] & _TAG_MASK
+
+
 def _evaluate(node: fx.Node, leaves: list[fx.Node], moves: list[fx.Node],
               writes: "Writes | None" = None) -> dict[fx.Node, object] | None:
     """Run the movement subgraph on tag tensors: every node's tags; None when it cannot be evaluated statically.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .common import _TAG_SHIFT, _evaluate, example, movement_leaves, sdpa_args
+from .common import example, leaf_offsets, movement_leaves, sdpa_args
 
 
 def region_source(node: fx.Node, regions: set[fx.Node]) -> fx.Node | str | None:
@@ -24,7 +24,7 @@ def region_source(node: fx.Node, regions: set[fx.Node]) -> fx.Node | str | None:
         arg = args[name]
         if not isinstance(arg, fx.Node):
             return None if not found else f"its {name} is not a tensor of the graph"
-        leaves, moves = movement_leaves(arg)
+        leaves, _ = movement_leaves(arg)
         hits = [leaf for leaf in leaves if leaf in regions]
         if not hits:
             if found:
@@ -32,11 +32,11 @@ def region_source(node: fx.Node, regions: set[fx.Node]) -> fx.Node | str | None:
             continue
         if len(leaves) != 1:
             return f"its {name} mixes the region stand-in with other tensors (only a whole region can be read)"
-        values = _evaluate(arg, leaves, moves)
+        offsets = leaf_offsets(arg)
         standin = example(leaves[0])
-        if values is None or standin.dim() != 5 or standin.shape[0] != 2:
+        if offsets is None or standin.dim() != 5 or standin.shape[0] != 2:
             return f"its {name} is not a data movement of a (2, B, L, H, D) region stand-in"
-        tags = values[arg] - (1 << _TAG_SHIFT)
+        tags = offsets[1]
         want = torch.arange(standin.numel(), dtype=torch.int64).view(tuple(standin.shape))[half].transpose(1, 2)
         if tags.shape != want.shape or not torch.equal(tags, want):
             return f"its {name} is not exactly stand-in[{half}] as (B, H, L, D) (a slice, reorder or head mix)"
