@@ -47,22 +47,23 @@ def _buffer_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
     return total
 
 
+def layer_block_table(table0: torch.Tensor, managed: torch.Tensor, block_base: torch.Tensor) -> torch.Tensor:
+    """One layer's block table int32 [R, M]: the staged layer-0 ids plus the layer's base where managed (local
+    ids), unchanged elsewhere (scratch and pad blocks are absolute). The window sites' tables (`layer_metadata`)
+    and the shared regions' (regions.py, read with `paged_kv::attend`) are both made here, inside compiled graphs."""
+    return table0 + managed * block_base
+
+
 def layer_metadata(positions: torch.Tensor, table0: torch.Tensor, table_managed: torch.Tensor,
                    block_base: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (slot_mapping int64 [R, T], block_table int32 [R, M]) from the shared metadata and its base.
 
     Plain torch ops on the buffers: called inside compiled graphs (`passes/rewrite.py`) and by code that
     drives the op directly (:class:`LayerViews`)."""
-    table = table0 + table_managed * block_base
+    table = layer_block_table(table0, table_managed, block_base)
     safe = positions.clamp(min=0)
     slots = torch.gather(table, 1, safe // block_size).to(torch.int64) * block_size + safe % block_size
     return torch.where(positions >= 0, slots, -1), table
-
-
-def region_block_table(table0: torch.Tensor, managed: torch.Tensor, block_base: torch.Tensor) -> torch.Tensor:
-    """One layer's block table int32 [R, Mr] of the forward's shared regions (regions.py): local ids + the layer's
-    base where managed, the pad block elsewhere. Called inside compiled graphs next to `paged_kv::attend`."""
-    return table0 + managed * block_base
 
 
 class LayerViews:

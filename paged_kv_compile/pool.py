@@ -206,8 +206,8 @@ class KVPool:
     # ---- write-once regions (regions.py) ------------------------------------------------------------
     def _region_ids(self, blocks: list[int]) -> torch.Tensor:
         """Absolute ids ``[num_layers * len(blocks)]`` of local `blocks` in every layer, layer-major."""
-        local = torch.as_tensor(blocks, dtype=torch.int64)
-        return (self.layer_bases[:, None] + local[None, :]).reshape(-1).to(self.tensor.device)
+        layers = torch.arange(self.num_layers)[:, None]
+        return self.block_id(layers, torch.as_tensor(blocks, dtype=torch.int64)[None, :]).reshape(-1).to(self.tensor.device)
 
     def to_stored(self, kv: torch.Tensor) -> torch.Tensor:
         """Per-layer K/V ``(num_layers, 2, tokens, Hkv, D)`` as the pool stores it: its dtype, its device, and for

@@ -8,8 +8,8 @@ mapping and block table are computed in the graph from the shared metadata and o
 (`metadata.py: layer_metadata`). Stores into stand-ins are dropped (the op writes the pool), returned caches
 become stand-ins again, and a graph that still reads a stand-in afterwards is an error: it would compute on
 zeros. A site whose keys and values are a region stand-in (a shared write-once region, `passes/region.py`:
-DreamZero's cross-attention) becomes ``attend(q, pool, region_block_table, ...)``, the read-only op, with the
-forward's region table (`metadata.py: region_block_table`).
+DreamZero's cross-attention) becomes ``attend(q, pool, region table, ...)``, the read-only op, with the
+forward's region table (`metadata.py: layer_block_table`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PassError
-from ..metadata import layer_metadata, region_block_table
+from ..metadata import layer_block_table, layer_metadata
 from .. import families
 from ..families.base import Expectation
 from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, movement_replay, sdpa_args, to_bshd
@@ -307,7 +307,7 @@ def _insert_region_op(graph: fx.Graph, node: fx.Node, pool, scales: dict, region
     table0, managed, seq_lens, visible = region_meta
     args = sdpa_args(node)
     with graph.inserting_before(node):
-        table = graph.call_function(region_block_table, (table0, managed, block_base))
+        table = graph.call_function(layer_block_table, (table0, managed, block_base))
         q = graph.call_method("transpose", (args["query"], 1, 2))  # (B, H, T, D) -> (B, T, H, D)
         d = example(node).shape[-1]
         scale = args["scale"] if args["scale"] is not None else float(d) ** -0.5
