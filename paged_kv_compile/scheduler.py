@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from . import families
@@ -28,10 +29,12 @@ __all__ = ["Scheduler", "ForwardPlan", "Owner", "DreamZeroSpec", "HunyuanSpec"]
 
 
 def row_written_blocks(row: RowLayout, block_size: int) -> list[int]:
-    """The managed (local) blocks a forward writes through this row: where its non-padding tokens land."""
-    hit = torch.zeros(row.num_blocks, dtype=torch.bool)
-    hit[row.positions[row.positions >= 0] // block_size] = True
-    return row.table[hit & row.managed].tolist()
+    """The managed (local) blocks a forward writes through this row: where its non-padding tokens land.
+    On the row's numpy arrays, like the metadata build: no torch operator on the planning path."""
+    table, managed, positions, _ = row.arrays
+    hit = np.zeros(len(table), dtype=bool)
+    hit[positions[positions >= 0] // block_size] = True
+    return table[hit & managed].tolist()
 
 
 class _ScratchRowsFrom:
