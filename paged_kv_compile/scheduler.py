@@ -314,7 +314,7 @@ class Scheduler:
         self._check_idle()
         owner = self._get(owner_id, family)
         plan = families.get(owner.family).plan(owner, self, kind, **info)
-        if owner_id in self.sharing or self.regions.blocks:  # ~0.1 ms per row on the host: only where blocks are shared
+        if owner_id in self.sharing or self.regions.blocks:  # 10-20 us per row on the host: only where blocks are shared
             try:
                 self._check_writes(plan)
             except BaseException:
