@@ -14,11 +14,11 @@ import torch
 from .errors import RequestError
 
 
-def _int64(values: "torch.Tensor | np.ndarray") -> np.ndarray:
-    """A 1-D int64 numpy array of `values` (viewed, not copied, when it already is one)."""
+def _int32(values: "torch.Tensor | np.ndarray") -> np.ndarray:
+    """A 1-D int32 numpy array of `values` (viewed, not copied, when it already is one)."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
-    return np.asarray(values, dtype=np.int64).reshape(-1)
+    return np.asarray(values, dtype=np.int32).reshape(-1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,16 +40,19 @@ class RowLayout:
 
     table: torch.Tensor  # int64 [m]
     managed: torch.Tensor  # bool [m]
-    positions: torch.Tensor  # int64 [t]
-    visible_end: torch.Tensor  # int64 [t]
+    positions: torch.Tensor  # int32 [t]
+    visible_end: torch.Tensor  # int32 [t]
     seq_len: int
     arrays: tuple[np.ndarray, ...] = field(init=False, repr=False)
     max_position: int = field(init=False)
 
     def __post_init__(self) -> None:
-        arrays = tuple(t.detach().cpu().numpy().reshape(-1)
-                       for t in (self.table, self.managed, self.positions, self.visible_end))
-        self._set(arrays, int(arrays[2].max()) if len(arrays[2]) else -1)
+        table, managed = (t.detach().cpu().numpy().reshape(-1) for t in (self.table, self.managed))
+        positions, visible_end = _int32(self.positions), _int32(self.visible_end)
+        object.__setattr__(self, "positions", torch.from_numpy(positions))
+        object.__setattr__(self, "visible_end", torch.from_numpy(visible_end))
+        arrays = (table, managed, positions, visible_end)
+        self._set(arrays, int(positions.max()) if len(positions) else -1)
 
     def _set(self, arrays: tuple[np.ndarray, ...], max_position: int) -> None:
         object.__setattr__(self, "arrays", arrays)
@@ -71,7 +74,7 @@ class RowLayout:
         table[m:] = scratch_blocks
         managed = np.zeros(len(table), dtype=bool)
         managed[:m] = True
-        arrays = (table, managed, _int64(positions), _int64(visible_end))
+        arrays = (table, managed, _int32(positions), _int32(visible_end))
         if max_position is None:
             max_position = int(arrays[2].max()) if len(arrays[2]) else -1
         row = object.__new__(RowLayout)  # not __init__: the tensors are views of `arrays`, nothing to derive
@@ -118,7 +121,8 @@ class MaskLayout:
 
     positions[c]: the logical position of dense token c (its rank among the kept tokens), -1 for padding.
     visible_end[q]: dense query q sees exactly the logical keys [0, visible_end[q]).
-    ends_by_position[i]: the visible end of the token at logical position i.
+    ends_by_position[i]: the visible end of the token at logical position i (int32, as the metadata stages it:
+    a step's row layout views a slice of it).
     """
 
     positions: torch.Tensor
@@ -167,7 +171,7 @@ def layout_from_prefill_mask(allowed: torch.Tensor, row: int = 0) -> MaskLayout:
             "mask (a window, a gap, or padding that real tokens see) cannot be paged; run this request densely"
         )
     ends_by_position = ends[kept]
-    return MaskLayout(positions, ends.to(torch.int64), ends_by_position.to(torch.int64))
+    return MaskLayout(positions, ends.to(torch.int64), ends_by_position.to(torch.int32))
 
 
 def mask_disagreement(allowed: torch.Tensor, row: RowLayout, key_positions: torch.Tensor) -> str:

@@ -62,7 +62,7 @@ def layer_metadata(positions: torch.Tensor, table0: torch.Tensor, table_managed:
     drives the op directly (:class:`LayerViews`)."""
     table = layer_block_table(table0, table_managed, block_base)
     safe = positions.clamp(min=0)
-    slots = torch.gather(table, 1, safe // block_size).to(torch.int64) * block_size + safe % block_size
+    slots = torch.gather(table, 1, (safe // block_size).long()).to(torch.int64) * block_size + safe % block_size
     return torch.where(positions >= 0, slots, -1), table
 
 
@@ -113,7 +113,7 @@ class BucketMetadata:
         self.device = device
         #: blocks per row of the region table: the shared write-once region each row reads (regions.py)
         self.region_width = Mr = max(1, -(-region_tokens // pool.block_size))
-        staged = [((R, T), torch.int64), ((R, M), torch.int32), ((R, M), torch.bool), ((R,), torch.int32),
+        staged = [((R, T), torch.int32), ((R, M), torch.int32), ((R, M), torch.bool), ((R,), torch.int32),
                   ((R, T), torch.int32), ((R, Mr), torch.int32), ((R, Mr), torch.bool), ((R,), torch.int32),
                   ((R, T), torch.int32)]
         nbytes = _buffer_bytes(staged)

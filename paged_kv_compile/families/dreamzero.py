@@ -319,8 +319,8 @@ class DreamZeroFamily:
         h = len(visible) * B
         managed = visible + new
         scratch = blocks.scratch(i, len(managed), (h + n + a - 1) // B)
-        positions = np.arange(h, h + n + a, dtype=np.int64)
-        ends = np.full(n + a, h + n + a, dtype=np.int64)
+        positions = np.arange(h, h + n + a, dtype=np.int32)
+        ends = np.full(n + a, h + n + a, dtype=np.int32)
         return RowLayout.build(managed, scratch, positions, ends, h + n + a, max_position=h + n + a - 1)
 
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:

@@ -239,7 +239,7 @@ class HunyuanImage3Family:
                 positions, ends, seq_len, top = ml.positions, ml.visible_end, ml.kept, None
                 key_positions.append(ml.positions)
             else:
-                positions = torch.arange(p, p + T, dtype=torch.int64)
+                positions = torch.arange(p, p + T, dtype=torch.int32)
                 ends, seq_len, top = ml.ends_by_position[p : p + T], p + T, p + T - 1
                 key_positions.append(_step_key_positions(ml, p, prefix_capacity, positions))
             scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
