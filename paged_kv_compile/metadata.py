@@ -122,12 +122,19 @@ class BucketMetadata:
         (self.positions, self.table0, self.table_managed, self.seq_lens, self.kv_visible_end, self.region_table0,
          self.region_managed, self.region_seq_lens, self.region_visible_end) = _carve(self.device_buffer, staged)
         self._region_staged = [True, True]  # per staging buffer: its region table may hold regions (reset it)
+        self._device_regions = True  # the device buffer's region table may hold regions
         self.block_size = pool.block_size
-        # numpy views of the two staging buffers (whole, and carved like the device buffer) and, for CPU
+        # What an upload copies: the whole buffer, or only the window part (everything before the region table)
+        # while neither the staging buffer nor the device buffer holds a region (a runtime without regions: the
+        # region table's (R, T) visible ends would otherwise be a third of the bytes copied).
+        window = _buffer_bytes(staged[:5])
+        self._device_parts = (self.device_buffer, self.device_buffer[:window])
+        self._host_parts = [(self.host_buffer[i], self.host_buffer[i][:window]) for i in range(2)]
+        # numpy views of the two staging buffers (those parts, and carved like the device buffer) and, for CPU
         # metadata, of the device buffer: the host writes and copies through them without a torch op.
-        self._host_bytes = [self.host_buffer[i].numpy() for i in range(2)]
+        self._host_np = [tuple(part.numpy() for part in parts) for parts in self._host_parts]
         self.views = [[t.numpy() for t in _carve(self.host_buffer[i], staged)] for i in range(2)]
-        self._device_np = self.device_buffer.numpy() if device.type == "cpu" else None
+        self._device_np = tuple(part.numpy() for part in self._device_parts) if device.type == "cpu" else None
         self.block_bases = pool.layer_bases.to(device=device, dtype=torch.int32)
         self.layers = [LayerViews(self, l) for l in range(L)]
         self.last_key: tuple = ()
@@ -216,11 +223,13 @@ class BucketMetadata:
         """Device work of one upload, in stream order: the copy of staging buffer `i` into the device buffer.
 
         CPU metadata is copied with numpy (a memcpy, no torch intra-op threads); a device gets one
-        asynchronous copy out of the pinned buffer."""
+        asynchronous copy out of the pinned buffer. The region table is left out while neither side holds one."""
+        part = 0 if self._region_staged[i] or self._device_regions else 1
+        self._device_regions = self._region_staged[i]
         if self._device_np is not None:
-            np.copyto(self._device_np, self._host_bytes[i])
+            np.copyto(self._device_np[part], self._host_np[i][part])
         else:
-            self.device_buffer.copy_(self.host_buffer[i], non_blocking=True)
+            self._device_parts[part].copy_(self._host_parts[i][part], non_blocking=True)
 
     def addresses(self) -> tuple[int, ...]:
         return (self.device_buffer.data_ptr(), self.block_bases.data_ptr())

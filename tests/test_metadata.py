@@ -301,3 +301,27 @@ def test_a_layout_whose_positions_pass_its_table_is_refused_and_nothing_changes(
     with pytest.raises(RequestError, match="inconsistent"):
         builder.build(bucket, [good, bad])
     assert torch.equal(meta.device_buffer, before) and builder.copies == copies
+
+
+def test_a_build_without_regions_clears_the_regions_an_earlier_upload_left_on_the_device():
+    """An upload copies only the window part while neither the staging buffer nor the device buffer holds a
+    region; the first build after a forward that read regions must still clear them on the device (through
+    either staging buffer), and later builds without regions keep the device's region table padded."""
+    from types import SimpleNamespace
+
+    from paged_kv_compile.metadata import MetadataBuilder
+
+    rt = runtime()
+    builder = MetadataBuilder(rt.pool, region_tokens=2 * B)
+    bucket = Bucket(2, 8, 16)
+    row = RowLayout.build([0, 1], [], np.arange(4), np.full(4, 4), 4)
+    region = SimpleNamespace(blocks=[3, 4], tokens=2 * B - 1)
+    meta = builder.build(bucket, [row, row], regions=[region, None])
+    assert meta.region_seq_lens.tolist() == [2 * B - 1, 0] and meta.region_table0[0].tolist() == [3, 4]
+    for step in range(3):
+        shifted = RowLayout.build([0, 1], [], np.arange(step, step + 4), np.full(4, step + 4), step + 4)
+        meta = builder.build(bucket, [shifted])
+        assert meta.region_seq_lens.tolist() == [0, 0], f"build {step} left a region on the device"
+        assert torch.all(meta.region_table0 == rt.pool.pad_block) and torch.all(meta.region_visible_end == 0)
+        assert not meta.region_managed.any()
+        assert meta.positions[0, :4].tolist() == list(range(step, step + 4)), f"build {step}: window part"
