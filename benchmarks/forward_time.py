@@ -219,31 +219,38 @@ def op_overhead(repeats: int = 20, calls: int = 200) -> dict:
 
 def run(quick: bool = False, inner: str | None = None, configs: list[str] | None = None,
         repeats: int | None = None, threads: int | None = None, attention_only: bool = False,
-        clock: str = "wall", overhead: bool = False) -> dict:
+        clock: str = "wall", overhead: bool = False, view_runs: bool = True) -> dict:
+    from paged_kv_compile.ops import reference
+
     inner = inner or ("aot_eager" if quick else "inductor")
     configs = configs or (["tiny"] if quick else ["tiny", "mid"])
     t0 = time.perf_counter()
     rows, attention = [], []
-    with bench_settings(threads or (1 if quick else None)):
-        machine = machine_info()
-        if inner == "inductor" and not attention_only:
-            warm_inductor()
-        for name in configs:
-            reps, loops = (3, 1) if quick else REPEATS[name]
-            reps = repeats or reps
-            dz, hy = CONFIGS[name]
-            if not attention_only:
-                torch._dynamo.reset()
-                rows += bench_dreamzero(name, dz, inner, reps, loops, quick)
-                torch._dynamo.reset()
-                rows += bench_hunyuan(name, hy, inner, reps, loops)
-            attention += bench_attention_only(name, dz, hy, reps, loops, quick, clock)
-        extra = {"op_overhead": op_overhead(3 if quick else 20)} if overhead else {}
+    old_view_runs, reference.VIEW_RUNS = reference.VIEW_RUNS, view_runs
+    try:
+        with bench_settings(threads or (1 if quick else None)):
+            machine = machine_info()
+            if inner == "inductor" and not attention_only:
+                warm_inductor()
+            for name in configs:
+                reps, loops = (3, 1) if quick else REPEATS[name]
+                reps = repeats or reps
+                dz, hy = CONFIGS[name]
+                if not attention_only:
+                    torch._dynamo.reset()
+                    rows += bench_dreamzero(name, dz, inner, reps, loops, quick)
+                    torch._dynamo.reset()
+                    rows += bench_hunyuan(name, hy, inner, reps, loops)
+                attention += bench_attention_only(name, dz, hy, reps, loops, quick, clock)
+            extra = {"op_overhead": op_overhead(3 if quick else 20)} if overhead else {}
+    finally:
+        reference.VIEW_RUNS = old_view_runs
     return {
         "benchmark": "forward_time",
         "machine": machine,
         "settings": {"inner_compiler": inner, "kernel": "reference", "compile": "regional, fullgraph, dynamic=False",
-                     "configs": configs, "quick": quick, "dtype": "float32"},
+                     "configs": configs, "quick": quick, "dtype": "float32",
+                     "view_runs": view_runs},
         "rows": rows,
         "attention_rows": attention,
         **extra,
@@ -302,16 +309,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--op-overhead", action="store_true",
                         help="also the fixed host cost of one op call at tiny shapes: lean dispatch vs custom_op's "
                              "Python layers vs the kernel function alone")
+    parser.add_argument("--no-view-runs", action="store_true",
+                        help="the reference kernel gathers and scatters even where a row's blocks/slots are one "
+                             "ascending run (ops/reference.py: VIEW_RUNS): what a fragmented table costs")
     args = parser.parse_args(argv)
     configs = args.configs.split(",") if args.configs else None
     result = run(args.quick, args.inner, configs, args.repeats, args.threads, args.attention_only, args.clock,
-                 args.op_overhead)
+                 args.op_overhead, not args.no_view_runs)
     if args.json:
         print(json.dumps(result))
         return 0
     s = result["settings"]
     print(f"forward time, paged / dense (inner compiler {s['inner_compiler']}, kernel {s['kernel']}, "
-          f"{result['machine']['torch_threads']} threads, {result['seconds']} s)")
+          f"{result['machine']['torch_threads']} threads, {result['seconds']} s, "
+          f"{'views of ascending runs' if s['view_runs'] else 'gather/scatter always'})")
     if result["rows"]:
         print(format_table(table_rows(result), COLUMNS))
     print(f"\nattention alone (dense cat + SDPA vs write_attend, reference kernel), same shapes, {args.clock} time")

@@ -73,6 +73,7 @@ def make_case(
     layout: str = "contiguous",
     dtype: torch.dtype = torch.float32,
     meta_layout: str = "contiguous",
+    ascending_blocks: bool = False,
 ) -> Case:
     """One geometry. Row r has prefixes[r] history tokens and new_counts[r] new ones (<= tokens).
 
@@ -81,6 +82,8 @@ def make_case(
     right_aligned puts the valid tokens last (padding first), as bottom-right causal kernels assume.
     meta_layout "strided" passes the four metadata tensors as non-contiguous views (see strided_view),
     "transposed" also stores the 2-D ones column-major.
+    ascending_blocks hands out blocks in order (row 0 gets 0, 1, ..., row 1 the next ones), as a fresh
+    pool does; by default they are shuffled, as in a busy pool.
     """
     gen = torch.Generator().manual_seed(seed)
     R, T, B, D, Hq = len(prefixes), tokens, block_size, head_dim, hkv * ratio
@@ -88,7 +91,7 @@ def make_case(
     needed = [-(-s // B) for s in seq]
     M = max(needed + [1]) + extra_width
     N = sum(needed) + 3  # two spare blocks and the pad block N-1
-    perm = torch.randperm(N - 1, generator=gen).tolist()
+    perm = list(range(N - 1)) if ascending_blocks else torch.randperm(N - 1, generator=gen).tolist()
     table = torch.full((R, M), N - 1, dtype=torch.int32)
     if pad_random:  # pad entries may be any valid id, including other rows' blocks
         table = torch.randint(0, N, (R, M), generator=gen, dtype=torch.int32)

@@ -41,7 +41,7 @@ DZ_SMALL = DreamZeroConfig(num_layers=2, dim=32, num_heads=2, head_dim=16, ffn_d
 HY_SMALL = HunyuanImage3Config(num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate=64,
                                image_h=2, image_w=2)
 
-_HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+_HOST_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
 class HostReadError(AssertionError):

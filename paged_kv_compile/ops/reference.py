@@ -3,12 +3,15 @@
 It is the oracle the other kernels are tested against. Attention gathers whole blocks of the row's
 table (`index_select` on the block axis), measured faster than per-token gathers during the design, and
 runs SDPA under a boolean mask built from `kv_visible_end` and `seq_lens`. On a device nothing here
-reads a value on the host, so the same code is safe under CUDA graphs; on CPU tensors it reads lengths
-and valid slots on the host to skip padding work (`HOST_LENGTHS_ON_CPU`).
+reads a value on the host, so the same code is safe under CUDA graphs; on CPU tensors it reads lengths,
+slots and block ids on the host (as numpy views, no torch op) to skip padding work and, where the
+blocks or slots form ascending runs, to read and write the pool through views instead of gathers and
+scatters (`HOST_LENGTHS_ON_CPU`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +21,10 @@ from .fp8 import dequantize, quantize
 #: On CPU tensors, read the lengths on the host and attend over the used span only (see
 #: `_attend_used_span`). Tests turn it off to exercise the device path (full table, mask) on the CPU.
 HOST_LENGTHS_ON_CPU = True
+
+#: With host lengths, read and write ascending runs of blocks/slots through views of the pool
+#: (`_span_view`, `_write_row_runs`). Benchmarks turn it off to time what a fragmented table costs.
+VIEW_RUNS = True
 
 
 def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -29,19 +36,25 @@ def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
     On a device, without a host sync: a -1 token is redirected to the first valid token of the call and
     writes that token's own row again (duplicates of identical values are harmless). If no token is
     valid, every token writes slot 0's current content back onto itself. On CPU tensors (as in `attend`,
-    `HOST_LENGTHS_ON_CPU`) nothing is captured, so the valid tokens are read on the host and copied
-    directly: no redirect, no blend with the old content (that blend was most of the op's CPU cost).
+    `HOST_LENGTHS_ON_CPU`) nothing is captured, so the slots are read on the host: when every token
+    writes and each row's slots count up by one (a chunk written into consecutive blocks), each row is
+    one slice copy (`_write_row_runs`, about 3x faster than `index_copy_` at DreamZero's sizes);
+    otherwise the valid tokens are copied with `index_copy_`. No redirect, no blend with the old content.
     """
     _, N, B, H, D = kv_pool.shape
     # FP8 pools are moved as their bytes: index_copy_/where have no float8 kernels.
     flat = (kv_pool if row_scales is None else kv_pool.view(torch.uint8)).view(2, N * B, H, D)
     slots = slot_mapping.reshape(-1)
-    valid = slots >= 0
     keep = None  # device path: which tokens really write (the others write back what is there)
     if HOST_LENGTHS_ON_CPU and slots.device.type == "cpu":
-        src = None if bool(valid.all()) else valid.nonzero().squeeze(1)  # None: every token writes
+        host = slot_mapping.numpy()
+        if VIEW_RUNS and row_scales is None and _write_row_runs(flat, key, value, host):
+            return
+        valid = host.reshape(-1) >= 0
+        src = None if bool(valid.all()) else torch.from_numpy(np.flatnonzero(valid))  # None: every token writes
         target = slots if src is None else slots.index_select(0, src)
     else:
+        valid = slots >= 0
         first = torch.argmax(valid.to(torch.int32))  # first valid token, 0 when there is none
         src = torch.where(valid, torch.arange(slots.numel(), device=slots.device), first)
         target = slots.index_select(0, src)
@@ -58,6 +71,26 @@ def write_kv(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot
         if keep is not None:
             rows = torch.where(keep, rows, half.index_select(0, target))
         half.index_copy_(0, target, rows)
+
+
+def _ascending_runs(ids: np.ndarray) -> bool:
+    """Whether each row of ``ids [R, n]`` counts up by one: one ascending run of slots or blocks per row."""
+    return ids.shape[1] < 2 or bool((np.diff(ids, axis=1) == 1).all())
+
+
+def _write_row_runs(flat: torch.Tensor, key: torch.Tensor, value: torch.Tensor, host_slots: np.ndarray) -> bool:
+    """CPU fast path of `write_kv`: if every token writes and each row's slots are one ascending run,
+    copy each row into its slice of the flat pool ``[2, N*B, Hkv, D]`` and return True; else write nothing
+    and return False (the caller scatters). Out-of-range slots also go to the caller, whose `index_copy_`
+    raises on them."""
+    R, T = host_slots.shape
+    if not host_slots.size or host_slots.min() < 0 or host_slots.max() >= flat.shape[1] or not _ascending_runs(host_slots):
+        return False
+    for r in range(R):
+        start = int(host_slots[r, 0])
+        flat[0].narrow(0, start, T).copy_(key[r])
+        flat[1].narrow(0, start, T).copy_(value[r])
+    return True
 
 
 def visible_mask(seq_lens: torch.Tensor, kv_visible_end: torch.Tensor, length: int) -> torch.Tensor:
@@ -81,6 +114,29 @@ def _gather(kv_pool: torch.Tensor, block_ids: torch.Tensor, row_scales: torch.Te
     if row_scales is None:
         return kv_pool.index_select(1, block_ids)
     return kv_pool.view(torch.uint8).index_select(1, block_ids).view(kv_pool.dtype)
+
+
+def _span_view(kv_pool: torch.Tensor, ids: np.ndarray) -> torch.Tensor | None:
+    """``[2, R, n*B, Hkv, D]``: the blocks ``ids [R, n]`` (host values) of both halves as a view of the pool,
+    when each row's blocks are one ascending run and the rows' first blocks are evenly spaced (any step
+    >= 0: DreamZero's scratch rows, a fresh pool's rows); None otherwise (the caller gathers).
+
+    Why: `index_select` copies every used block out of the pool, on top of the write that put the new
+    tokens there; dense attention copies its new K/V once. The view lets SDPA read the pool in place
+    (same values in the same order, so the same result bit for bit). A busy pool hands out scattered
+    blocks, and any row that is not one run takes the gather.
+    """
+    R, n = ids.shape
+    _, N, B, H, D = kv_pool.shape
+    if not kv_pool.is_contiguous() or ids.min() < 0 or ids.max() >= N or not _ascending_runs(ids):
+        return None
+    starts = ids[:, 0].astype(np.int64)
+    step = int(starts[1] - starts[0]) if R > 1 else 0
+    if step < 0 or not bool((np.diff(starts) == step).all()):
+        return None
+    block = B * H * D
+    return kv_pool.as_strided((2, R, n * B, H, D), (N * block, step * block, H * D, D, 1),
+                              kv_pool.storage_offset() + int(starts[0]) * block)
 
 
 def _dequantized(kv: torch.Tensor, row_scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -130,21 +186,25 @@ def _attend_used_span(
     scale: float,
     row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """CPU path: lengths are host values here, so gather only the blocks in use, and drop the mask
-    when every query sees its whole row (DreamZero's window) so SDPA can take its fused kernel.
+    """CPU path: lengths are host values here, so gather only the blocks in use (or view them in place,
+    `_span_view`), and drop the mask when every query sees its whole row (DreamZero's window) so SDPA
+    can take its fused kernel.
 
     The padded table width and the all-rows mask are what fixed shapes cost on a device that must not
     read lengths; on the CPU nothing is captured and reading them is free.
     """
     R, T, Hq, D = query.shape
     _, _, B, Hkv, _ = kv_pool.shape
-    length = int(seq_lens.max())
+    seq = seq_lens.numpy()  # host values without a torch op: a few us instead of tens per read
+    length = int(seq.max())
     if length == 0:
         return query.new_zeros(query.shape)
     blocks = -(-length // B)
-    kv = _gather(kv_pool, block_table[:, :blocks].reshape(-1), row_scales).view(2, R, blocks * B, Hkv, D)
+    kv = _span_view(kv_pool, block_table[:, :blocks].numpy()) if VIEW_RUNS else None
+    if kv is None:
+        kv = _gather(kv_pool, block_table[:, :blocks].reshape(-1), row_scales).view(2, R, blocks * B, Hkv, D)
     kv = _dequantized(kv[:, :, :length], row_scales, query.dtype).transpose(2, 3)
-    full = bool((seq_lens == length).all()) and bool((kv_visible_end == length).all())
+    full = bool((seq == length).all()) and bool((kv_visible_end.numpy() == length).all())
     mask = None
     if not full:
         mask = visible_mask(seq_lens, kv_visible_end, length)
