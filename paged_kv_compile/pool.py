@@ -237,9 +237,13 @@ class KVPool:
         per_layer = tiles.view(2, self.num_layers, n * self.block_size, self.num_kv_heads, self.head_dim)
         return per_layer[:, :, :tokens].transpose(0, 1)
 
-    def scratch_block_ids(self, row: int) -> torch.Tensor:
-        """Absolute ids of local row ``row``'s scratch blocks."""
+    def scratch_start(self, row: int) -> int:
+        """Absolute id of local row ``row``'s first scratch block (the row's blocks follow it)."""
         if not 0 <= row < self.scratch_rows:
             raise IndexError(f"scratch row {row} out of range [0, {self.scratch_rows})")
-        start = self.scratch_base + row * self.scratch_blocks_per_row
+        return self.scratch_base + row * self.scratch_blocks_per_row
+
+    def scratch_block_ids(self, row: int) -> torch.Tensor:
+        """Absolute ids of local row ``row``'s scratch blocks."""
+        start = self.scratch_start(row)
         return torch.arange(start, start + self.scratch_blocks_per_row, dtype=torch.int64)

@@ -48,6 +48,10 @@ class _ScratchRowsFrom:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._scheduler, name)
 
+    @property
+    def first_scratch_row(self) -> int:
+        return self._first
+
     def scratch(self, row: int, first_logical_block: int, last_logical_block: int) -> list[int]:
         row += self._first
         if row >= self._scheduler.max_rows:
@@ -117,6 +121,9 @@ class Scheduler:
         if blocks:
             self.allocator.free(blocks)
 
+    #: a forward planned directly starts at row 0 (a batched forward's later parts: `_ScratchRowsFrom`)
+    first_scratch_row = 0
+
     def scratch(self, row: int, first_logical_block: int, last_logical_block: int) -> list[int]:
         """Scratch blocks covering logical blocks [first, last] of a forward row."""
         count = last_logical_block - first_logical_block + 1
@@ -125,7 +132,10 @@ class Scheduler:
                 f"this forward needs {count} scratch blocks per row but the pool has "
                 f"{self.pool.scratch_blocks_per_row}; raise scratch_tokens_per_row in the config"
             )
-        return self.pool.scratch_block_ids(row)[:count].tolist() if count > 0 else []
+        if count <= 0:
+            return []
+        start = self.pool.scratch_start(row)  # plain ints: no torch op on the planning path
+        return list(range(start, start + count))
 
     def check_scratch(self, blocks: int) -> None:
         """A config check at admission: a forward of this owner needs `blocks` scratch blocks per row."""
