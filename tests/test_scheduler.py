@@ -86,6 +86,73 @@ def test_denoise_writes_scratch_only_and_repeats_layout():
     assert rt.metadata.builds == builds + 1, "identical denoise layouts are built once"
 
 
+def _layout_arrays(plan) -> list[tuple]:
+    return [tuple(a.tolist() for a in row.arrays) + (row.seq_len,) for row in plan.rows]
+
+
+def _planned_twice(rt: PagedKVRuntime, plan_fn) -> tuple:
+    """A forward's rows as planned (possibly from the owners' layout caches) and as planned with every cache
+    cleared (the oracle); both forwards are run."""
+    plan = plan_fn()
+    got = (_layout_arrays(plan), plan.key_positions and [k.tolist() for k in plan.key_positions])
+    run_forward(rt, plan)
+    for owner in rt.scheduler.owners.values():
+        owner.layout_cache = None
+    fresh = plan_fn()
+    want = (_layout_arrays(fresh), fresh.key_positions and [k.tolist() for k in fresh.key_positions])
+    run_forward(rt, fresh)
+    return plan, got, want
+
+
+def test_repeated_plans_reuse_layouts_only_while_nothing_changed():
+    """`families/base.py: reuse_layouts`: a denoising step reuses the last step's row layouts (the same objects),
+    and every change a layout depends on (a commit, a window reset, a prefill run again with another mask, the
+    branch, the forward's first scratch row in a batch, a fork) gives a plan equal to one made without any cache."""
+    rt = make_runtime()
+    sched = rt.scheduler
+    rt.open_session("s", DZ_SINK, rows=2)
+    plans = [
+        lambda: sched.plan_dreamzero("s", commit=False),
+        lambda: sched.plan_dreamzero("s", commit=False, branch=1),
+        # s's branch 1 on the batch's scratch row 1 once the fork exists, else alone on row 0
+        lambda: (sched.plan_batch([("t", "denoise", {"branch": 0}), ("s", "denoise", {"branch": 1})])
+                 if "t" in sched.owners else sched.plan_dreamzero("s", commit=False, branch=1)),
+        lambda: sched.plan_dreamzero("s", commit=False),  # the next step's first plan has this key
+    ]
+    seen = set()
+    for step in range(7):
+        if step in (1, 2, 4, 5):
+            run_forward(rt, sched.plan_dreamzero("s", commit=True))
+        if step == 3:
+            sched.fork("s", "t")
+        if step == 6:
+            rt.reset_window("s")
+        for plan_fn in plans:
+            _, got, want = _planned_twice(rt, plan_fn)
+            assert got == want, f"step {step}: a reused layout differs from a fresh plan"
+            seen.add(repr(got))
+    assert len(seen) >= 8, "the steps must exercise different layouts"
+    first = sched.plan_dreamzero("s", commit=False)
+    run_forward(rt, first)
+    again = sched.plan_dreamzero("s", commit=False)
+    assert again.rows[0] is first.rows[0], "an unchanged denoising step reuses its layouts"
+    run_forward(rt, again)
+
+    spec = HunyuanSpec(prefix_lens=(5, 3), target_len=6, full_spans=((1, 5),))
+    rt.admit_request("r", spec)
+    middle = spec.padded_mask(8)  # row 1: [prompt 3 | pad 5 | target 6]
+    perm = torch.tensor([3, 4, 5, 6, 7, 0, 1, 2, *range(8, 14)])
+    left = middle.clone()
+    left[1, 0] = middle[1, 0][perm][:, perm]  # row 1 left-padded: [pad 5 | prompt 3 | target 6]
+    keys = []
+    for mask in (middle, left):
+        run_forward(rt, sched.plan_hunyuan("r", phase="prefill", prefix_capacity=8, attention_mask=mask))
+        _, got, want = _planned_twice(rt, lambda: sched.plan_hunyuan("r", phase="step", prefix_capacity=8))
+        assert got == want, "a step after a second prefill reused the first prefill's layout"
+        keys.append(got[1])
+    assert keys[0] != keys[1], "the two prefills must lay row 1's prompt out differently"
+
+
 def test_failed_commit_rolls_back():
     rt = make_runtime()
     rt.open_session("s", DZ, rows=2)

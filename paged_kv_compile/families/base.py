@@ -16,7 +16,7 @@ A new family is one new module implementing `Family` (plus its reference model),
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -53,6 +53,7 @@ class Owner:
     version: int = 0  # bumped whenever the blocks change: keys the metadata cache
     phases_done: set[str] = field(default_factory=set)  # forward kinds that finished (e.g. "prefill")
     state: dict[str, Any] = field(default_factory=dict)  # the family's own per-owner records (e.g. a layout)
+    layout_cache: tuple | None = None  # (key, value) of the last repeatable plan's layouts (`reuse_layouts`)
 
     @property
     def num_rows(self) -> int:
@@ -107,6 +108,26 @@ class BlockSource(Protocol):
     def scratch(self, row: int, first_logical_block: int, last_logical_block: int) -> list[int]: ...
 
     def check_scratch(self, blocks: int) -> None: ...
+
+    @property
+    def first_scratch_row(self) -> int:
+        """The forward row this owner's row 0 is (0 alone; later in a batched forward): `scratch` depends on it."""
+        ...
+
+
+def reuse_layouts(owner: Owner, key: tuple, make: Callable[[], Any]) -> Any:
+    """The row layouts (and whatever else `make` returns) of the owner's last plan with this `key`, or `make()`'s,
+    then remembered.
+
+    A denoising loop plans the same layout at every step, and making it again costs tens of microseconds per row
+    (a row's block list becomes a numpy array at about 40 ns per block). The key must hold what the layout depends
+    on: the kind, `owner.version` (bumped whenever the blocks or the family's layout records change, as for the
+    metadata's repeat key), the forward's first scratch row and the family's own arguments."""
+    if owner.layout_cache is not None and owner.layout_cache[0] == key:
+        return owner.layout_cache[1]
+    value = make()
+    owner.layout_cache = (key, value)
+    return value
 
 
 @runtime_checkable

@@ -22,7 +22,7 @@ from ..errors import CapacityError, ConfigError, RequestError
 from ..layout import RowLayout
 from ..models.dreamzero import DreamZeroModel
 from ..passes.site import Match, Site
-from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config
+from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
 
 NAME = "dreamzero"
 KINDS = ("commit", "denoise")
@@ -286,9 +286,13 @@ class DreamZeroFamily:
         new_blocks: list[list[int]] = [[] for _ in owner.rows] if commit else []
         for r, ids in zip(run, taken):
             new_blocks[r] = ids
+        def make() -> list[RowLayout]:
+            return [self._row(spec, blocks, i, owner.rows[r], new_blocks[r] if commit else [], n, a)
+                    for i, r in enumerate(run)]
+
         try:
-            layouts = [self._row(spec, blocks, i, owner.rows[r], new_blocks[r] if commit else [], n, a)
-                       for i, r in enumerate(run)]
+            layouts = make() if commit else reuse_layouts(
+                owner, (kind, owner.version, branch, blocks.first_scratch_row), make)
         except BaseException:
             for ids in taken:
                 blocks.free(ids)

@@ -23,7 +23,7 @@ from ..layout import MaskLayout, RowLayout, allowed_keys, layout_from_prefill_ma
 from ..models.hunyuan_image3 import HunyuanImage3Model, HunyuanKVCache
 from ..passes.common import ancestors, is_movement
 from ..passes.site import Match, Site
-from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config
+from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
 
 NAME = "hunyuan_image3"
 KINDS = ("prefill", "step")
@@ -233,17 +233,23 @@ class HunyuanImage3Family:
         else:
             mask_layouts = owner.state["layouts"]
         B, T = blocks.block_size, spec.target_len
-        layouts, key_positions = [], []
-        for r, (row, p, ml) in enumerate(zip(owner.rows, spec.prefix_lens, mask_layouts)):
-            if kind == "prefill":
-                positions, ends, seq_len, top = ml.positions, ml.visible_end, ml.kept, None
-                key_positions.append(ml.positions)
-            else:
-                positions = torch.arange(p, p + T, dtype=torch.int32)
-                ends, seq_len, top = ml.ends_by_position[p : p + T], p + T, p + T - 1
-                key_positions.append(_step_key_positions(ml, p, prefix_capacity, positions))
-            scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
-            layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len, max_position=top))
+
+        def make() -> tuple[list[RowLayout], list[torch.Tensor]]:
+            layouts, key_positions = [], []
+            for r, (row, p, ml) in enumerate(zip(owner.rows, spec.prefix_lens, mask_layouts)):
+                if kind == "prefill":
+                    positions, ends, seq_len, top = ml.positions, ml.visible_end, ml.kept, None
+                    key_positions.append(ml.positions)
+                else:
+                    positions = torch.arange(p, p + T, dtype=torch.int32)
+                    ends, seq_len, top = ml.ends_by_position[p : p + T], p + T, p + T - 1
+                    key_positions.append(_step_key_positions(ml, p, prefix_capacity, positions))
+                scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
+                layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len, max_position=top))
+            return layouts, key_positions
+
+        layouts, key_positions = make() if kind == "prefill" else reuse_layouts(
+            owner, (kind, owner.version, prefix_capacity, blocks.first_scratch_row), make)
         state = {"layouts": mask_layouts} if kind == "prefill" else {}
         if kind == "step" and attention_mask is not None and not owner.state.get("step_mask_checked"):
             _check_step_mask(allowed_keys(attention_mask, rows), layouts, key_positions)
@@ -254,8 +260,11 @@ class HunyuanImage3Family:
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
-        """Nothing moves (the prefix was written in place); the prefill's layout is kept for the steps."""
+        """Nothing moves (the prefix was written in place); the prefill's layout is kept for the steps (a new
+        version: the steps' layouts and the metadata's repeat key follow a prefill run again with another mask)."""
         owner.state.update(plan.state)
+        if plan.kind == "prefill":
+            owner.version += 1
 
     def check_expectation(self, expect: HunyuanExpect, owner: Owner, plan: ForwardPlan) -> None:
         """The prefix capacity is the bucket's context, which the runtime already checks per call."""
