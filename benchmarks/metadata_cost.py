@@ -10,6 +10,8 @@ lives on a device (`--device cuda`); on the CPU there are none. *torch ops/build
 build dispatches (`TorchDispatchMode`), in one extra untimed run, and *of which compute* those that are not
 `aten.detach` (what a `Tensor.numpy()` view dispatches): with none, the build cannot wait on torch's intra-op
 threads. The plans' rows are numpy arrays (`layout.RowLayout`), so a build dispatches no operator at all.
+A fresh build is what a server interleaving owners pays: the forwards of two sessions (two requests) alternate,
+so each build replaces the other owner's layout; a repeat is the same owner's next denoising step.
 
     python benchmarks/metadata_cost.py [--repeats N] [--json] [--device cpu|cuda] [--threads N] [--busy N]
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import statistics
 import subprocess
@@ -79,7 +82,7 @@ def busy_processes(n: int):
 
 def _forward(scheduler, builder, plan_fn, fresh: bool, times: dict | None = None, counter: bool = False,
              finish: bool = True):
-    """One planned forward's metadata; `fresh` drops the layout cache first (a real rebuild). Appends the plan
+    """One planned forward's metadata; `fresh` drops the bucket's repeat key first (a real rebuild of the same plan). Appends the plan
     (+ finish) and build times in microseconds to `times`; with `counter`, returns the ops the build dispatched."""
     def run():
         t0 = time.perf_counter_ns()
@@ -118,48 +121,70 @@ def _timed(name, layers, kind, scheduler, builder, plan_fn, fresh, repeats, fini
                 ops)
 
 
-def _measure(name, layers, kind, scheduler, builder, plan_fn, repeats, finish: bool = True) -> list[dict]:
-    return [_timed(name, layers, f"{kind}: {label}", scheduler, builder, plan_fn, fresh, repeats, finish)
-            for fresh, label in ((True, "build"), (False, "repeat"))]
+def _alternating(*plan_fns):
+    """A plan function that cycles through `plan_fns`: forwards of different owners take turns, so every build
+    is a fresh one (the bucket last held the other owner's layout), as on a server interleaving sessions."""
+    turn = [0]
+
+    def plan():
+        fn = plan_fns[turn[0] % len(plan_fns)]
+        turn[0] += 1
+        return fn()
+    return plan
 
 
 def dreamzero(repeats: int, device: str = "cpu") -> list[dict]:
-    """DreamZero-14B with the window full (its longest metadata): a sliding-window session, no reset."""
+    """DreamZero-14B with the window full (its longest metadata): two sliding-window sessions (no reset), whose
+    forwards alternate for the fresh builds; one session's denoising steps in a row for the repeats."""
     cfg = DREAMZERO_14B
     spec = dataclasses.replace(DreamZeroSpec.from_model_config(cfg), reset_frames=None)
     block = 16  # divides frame_seqlen = 880
     sched, builder = _setup(cfg.num_layers, cfg.num_heads, cfg.head_dim, block,
-                            2 * spec.window_tokens // block, spec.tokens_per_forward, device)
-    sched.open_session("s", spec, rows=2)
-    for _ in range(spec.window_frames // spec.chunk_frames):  # fill the window
-        _forward(sched, builder, lambda: sched.plan_dreamzero("s", commit=True), True)()
-    rows = [_timed("DreamZero-14B", cfg.num_layers, "commit (new blocks)", sched, builder,
-                   lambda: sched.plan_dreamzero("s", commit=True), True, repeats)]
-    rows += _measure("DreamZero-14B", cfg.num_layers, "denoise", sched, builder,
-                     lambda: sched.plan_dreamzero("s", commit=False), repeats)
-    return rows
+                            2 * 2 * spec.window_tokens // block, spec.tokens_per_forward, device)
+    sessions = ("s", "u")
+    for sid in sessions:
+        sched.open_session(sid, spec, rows=2)
+        for _ in range(spec.window_frames // spec.chunk_frames):  # fill the window
+            _forward(sched, builder, lambda: sched.plan_dreamzero(sid, commit=True), True)()
+    commit = [functools.partial(sched.plan_dreamzero, sid, commit=True) for sid in sessions]
+    denoise = [functools.partial(sched.plan_dreamzero, sid, commit=False) for sid in sessions]
+    return [
+        _timed("DreamZero-14B", cfg.num_layers, "commit (new blocks)", sched, builder, _alternating(*commit), False,
+               repeats),
+        _timed("DreamZero-14B", cfg.num_layers, "denoise: build", sched, builder, _alternating(*denoise), False,
+               repeats),
+        _timed("DreamZero-14B", cfg.num_layers, "denoise: repeat", sched, builder, denoise[0], False, repeats),
+    ]
 
 
 def hunyuan(repeats: int, device: str = "cpu") -> list[dict]:
+    """HunyuanImage-3: one prefill's metadata (rebuilt each repeat) and the denoising steps of two requests, which
+    alternate for the fresh builds; one request's steps in a row for the repeats."""
     cfg = HUNYUAN_IMAGE3
     block, prefix = 16, 1024
-    sched, builder = _setup(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, 2 * prefix // block,
+    sched, builder = _setup(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, 2 * 2 * prefix // block,
                             cfg.target_len, device)
     spec = HunyuanSpec((1000, 300), cfg.target_len, ((1, 1 + cfg.image_tokens),))
-    sched.admit_request("r", spec)
     mask = spec.padded_mask(prefix)  # the prefill reads each row's layout from the model's mask (once per request)
-    # The prefill plan reads the (S, S) mask (seconds at S ~ 5k, once per request), so one prefill is planned and
-    # its metadata built `repeats` times; its plan + finish time is that one plan's.
-    t0 = time.perf_counter_ns()
-    prefill = sched.plan_hunyuan("r", phase="prefill", prefix_capacity=prefix, attention_mask=mask)
-    plan_us = (time.perf_counter_ns() - t0) / 1e3
-    rows = _measure("HunyuanImage-3", cfg.num_layers, "prefill", sched, builder, lambda: prefill, repeats,
-                    finish=False)
+    # The prefill plan reads the (S, S) mask (once per request), so one prefill is planned and its metadata built
+    # `repeats` times; its plan + finish time is that one plan's.
+    rows, plan_us = [], []
+    for rid in ("r", "q"):
+        sched.admit_request(rid, spec)
+        t0 = time.perf_counter_ns()
+        prefill = sched.plan_hunyuan(rid, phase="prefill", prefix_capacity=prefix, attention_mask=mask)
+        plan_us.append((time.perf_counter_ns() - t0) / 1e3)
+        if not rows:
+            rows = [_timed("HunyuanImage-3", cfg.num_layers, f"prefill: {label}", sched, builder, lambda: prefill,
+                           fresh, repeats, finish=False) for fresh, label in ((True, "build"), (False, "repeat"))]
+        sched.finish_forward(prefill)
     for row in rows:
-        row["plan_finish_median_us"] = round(plan_us, 1)
-    sched.finish_forward(prefill)
-    rows += _measure("HunyuanImage-3", cfg.num_layers, "denoising step", sched, builder,
-                     lambda: sched.plan_hunyuan("r", phase="step", prefix_capacity=prefix), repeats)
+        row["plan_finish_median_us"] = round(statistics.median(plan_us), 1)
+    step = [functools.partial(sched.plan_hunyuan, rid, phase="step", prefix_capacity=prefix) for rid in ("r", "q")]
+    rows.append(_timed("HunyuanImage-3", cfg.num_layers, "denoising step: build", sched, builder, _alternating(*step),
+                       False, repeats))
+    rows.append(_timed("HunyuanImage-3", cfg.num_layers, "denoising step: repeat", sched, builder, step[0], False,
+                       repeats))
     return rows
 
 
