@@ -236,5 +236,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def mask_read(argv: list[str] | None = None) -> int:
+    """`--mask-only [--repeats N] [--threads N]`: the host time of reading one CFG row's layout from a
+    HunyuanImage-3 prefill mask (`layout.layout_from_prefill_mask`, once per row and request): the prefill of
+    `hunyuan()` above (prompts 1000 and 300 padded to 1024, then the 4098-token target: S = 5122), its
+    [prompt | pad | target] (2, 1, S, S) mask boolean and bf16 additive (0 / finfo.min)."""
+    from paged_kv_compile.layout import layout_from_prefill_mask, mask_rows
+
+    parser = argparse.ArgumentParser(description=mask_read.__doc__.splitlines()[0])
+    parser.add_argument("--mask-only", action="store_true")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = HUNYUAN_IMAGE3
+    allowed = HunyuanSpec((1000, 300), cfg.target_len, ((1, 1 + cfg.image_tokens),)).padded_mask(1024)
+    additive = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+    print(f"S = {allowed.shape[-1]}, torch threads {torch.get_num_threads()}, {args.repeats} repeats; ms per row")
+    for name, mask in (("bool", allowed), ("bf16 additive", additive)):
+        times = []
+        for _ in range(args.repeats):
+            for r, row in enumerate(mask_rows(mask, 2)):
+                t0 = time.perf_counter_ns()
+                layout_from_prefill_mask(row, r)
+                times.append((time.perf_counter_ns() - t0) / 1e6)
+        print(f"{name}: median {statistics.median(times):.1f}, min {min(times):.1f}, max {max(times):.1f}")
+    return 0
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(mask_read(sys.argv[1:]) if "--mask-only" in sys.argv[1:] else main())

@@ -93,6 +93,19 @@ class RowLayout:
         return len(self.arrays[0])
 
 
+def _mask_3d(mask: torch.Tensor, rows: int) -> torch.Tensor:
+    """`mask` as a (1 or rows, Q, K) view, unconverted, after the shape checks every mask reader shares."""
+    if mask.dim() == 4:
+        if mask.shape[1] != 1:
+            raise RequestError(f"the attention mask has {mask.shape[1]} head rows; one (broadcast over heads) is needed")
+        mask = mask[:, 0]
+    if mask.dim() != 3:
+        raise RequestError(f"the attention mask must be (rows, 1, queries, keys), got shape {tuple(mask.shape)}")
+    if mask.shape[0] not in (1, rows):
+        raise RequestError(f"the attention mask has {mask.shape[0]} rows but the request has {rows} CFG rows")
+    return mask.detach()
+
+
 def allowed_keys(mask: torch.Tensor, rows: int) -> torch.Tensor:
     """(rows, Q, K) bool on the host: which key columns each query may attend.
 
@@ -100,19 +113,68 @@ def allowed_keys(mask: torch.Tensor, rows: int) -> torch.Tensor:
     additive (0 = attend; -inf or the dtype's lowest value = masked). Any other additive value is kept as
     "attended" and then fails the prefix check: refused, never silently reinterpreted.
     """
-    if mask.dim() == 4:
-        if mask.shape[1] != 1:
-            raise RequestError(f"the attention mask has {mask.shape[1]} head rows; one (broadcast over heads) is needed")
-        mask = mask[:, 0]
-    if mask.dim() != 3:
-        raise RequestError(f"the attention mask must be (rows, 1, queries, keys), got shape {tuple(mask.shape)}")
-    if mask.dtype == torch.bool:
-        allowed = mask
-    else:
-        allowed = mask > torch.finfo(mask.dtype).min
-    if allowed.shape[0] not in (1, rows):
-        raise RequestError(f"the attention mask has {allowed.shape[0]} rows but the request has {rows} CFG rows")
+    mask = _mask_3d(mask, rows)
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
     return allowed.expand(rows, *allowed.shape[1:]).to("cpu")
+
+
+def mask_rows(mask: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """Each CFG row's (Q, K) mask as a view of `mask`, not converted (`layout_from_prefill_mask` reads the raw
+    values a block of queries at a time): the same shapes and the same errors as `allowed_keys`, without
+    materializing a (rows, Q, K) bool copy. A broadcast (1, ...) mask gives every row the same view object."""
+    mask = _mask_3d(mask, rows)
+    return [mask[r] for r in range(rows)] if mask.shape[0] > 1 else [mask[0]] * rows
+
+
+#: Mask entries read per block of queries (a bool block of 512 KB, its bf16 source 1 MB: both stay in cache
+#: between the conversion and the two sums that read the block).
+_BLOCK_ELEMENTS = 1 << 19
+#: Per additive float dtype: its same-size integer dtype and the integer views of (finfo.min, +inf).
+_INT_VIEWS = {dt: (it, *torch.tensor([torch.finfo(dt).min, float("inf")], dtype=dt).view(it).tolist())
+              for dt, it in ((torch.bfloat16, torch.int16), (torch.float16, torch.int16),
+                             (torch.float32, torch.int32), (torch.float64, torch.int64))}
+
+
+def _attends(block: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
+    """Which entries of a mask block attend: True for a boolean mask, `> finfo.min` for an additive one.
+
+    On the host, a block whose raw integers all lie in [view(finfo.min), view(+inf)] holds only non-negative
+    floats (0 ... +inf, all attended) and finfo.min, -inf or a negative NaN (none attended; integers below
+    zero): there `> finfo.min` is exactly `integer >= 0`, which numpy computes several times faster than
+    torch's bf16 comparison. Any other block (a -0.0, a negative bias, a positive NaN) takes the comparison.
+    """
+    if block.dtype == torch.bool:
+        return block
+    view = _INT_VIEWS.get(block.dtype)
+    if view is not None and block.device.type == "cpu" and block.numel():
+        ints = block.view(view[0]).numpy()
+        if ints.min() >= view[1] and ints.max() <= view[2]:
+            return torch.from_numpy(np.greater_equal(ints, 0, out=out))
+    return block > torch.finfo(block.dtype).min
+
+
+def _attend_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query how many keys it attends, per key how many queries attend it, and the diagonal (int64, host)
+    of a square mask.
+
+    On the host, one read of the mask a block of queries at a time, converted and summed both ways while in
+    cache, with numpy (single-threaded: torch's intra-op threads made these small sums slower on a loaded
+    host, see docs/benchmarks.md). A device mask is reduced on its device; only the counts come back.
+    """
+    on_diag = _attends(torch.diagonal(mask)).to("cpu", torch.int64)
+    if mask.device.type != "cpu":
+        attends = _attends(mask).to(torch.int32)
+        return attends.sum(1).to("cpu", torch.int64), attends.sum(0).to("cpu", torch.int64), on_diag
+    Q, K = mask.shape
+    step = max(1, _BLOCK_ELEMENTS // max(K, 1))
+    per_query, per_key = np.empty(Q, dtype=np.int32), np.zeros(K, dtype=np.int32)
+    out = np.empty((min(step, Q), K), dtype=bool)
+    for start in range(0, Q, step):
+        block = mask[start : start + step]
+        attends = _attends(block, out[: len(block)]).numpy().view(np.uint8)
+        np.add.reduce(attends, axis=1, dtype=np.int32, out=per_query[start : start + len(block)])
+        per_key += np.add.reduce(attends, axis=0, dtype=np.int32)
+    return torch.from_numpy(per_query).to(torch.int64), torch.from_numpy(per_key).to(torch.int64), on_diag
 
 
 @dataclass(frozen=True)
@@ -134,44 +196,52 @@ class MaskLayout:
         return int(self.ends_by_position.numel())
 
 
-def layout_from_prefill_mask(allowed: torch.Tensor, row: int = 0) -> MaskLayout:
+def layout_from_prefill_mask(mask: torch.Tensor, row: int = 0) -> MaskLayout:
     """Read a row's layout from its (S, S) prefill mask, or refuse with the first query it cannot express.
 
-    The paged op gives every query the first `visible_end` kept tokens of its row, in order. So: a token is
-    padding when no other token sees it and it sees nothing but (at most) itself; every other token that
-    anyone sees is kept, in dense order, wherever the padding sits (left, middle, right); and every query
-    must see exactly a prefix of the kept tokens. A causal pad after the target (right padding) is simply a
-    kept token nobody else reads. Runs once per request, on the host, outside any compiled region.
+    `mask`: boolean or additive, as `allowed_keys` reads it (a `mask_rows` view). The paged op gives every
+    query the first `visible_end` kept tokens of its row, in order. So: a token is padding when no other token
+    sees it and it sees nothing but (at most) itself; every other token that anyone sees is kept, in dense
+    order, wherever the padding sits (left, middle, right); and every query must see exactly a prefix of the
+    kept tokens. A causal pad after the target (right padding) is simply a kept token nobody else reads. Runs
+    once per request, on the host, outside any compiled region.
+
+    Decided from O(S) counts (one read of the mask, `_attend_counts`): a query that is not padding sees only
+    kept tokens (a pad's own column is seen by nobody else), n of them, whose ranks sum to at least
+    0 + 1 + ... + (n - 1), with equality exactly when they are the first n. Summed over the queries, the ranks
+    seen are sum_c rank[c] * (queries seeing c): the mask is accepted iff that equals sum_q n_q (n_q - 1) / 2.
+    Only a refused mask is compared entry by entry (`_first_disagreement`), for the first offending key.
     """
-    S = allowed.shape[-1]
-    if allowed.shape != (S, S):
-        raise RequestError(f"a prefill mask must be square (queries = keys), got {tuple(allowed.shape)}")
-    # One pass per reduction over the (S, S) mask, in bytes and int32: at the released size (S ~ 5k) the int64
-    # and index-put forms took about 1 s per row; the checks and the error are unchanged.
-    diag = torch.arange(S)
-    on_diag = allowed[diag, diag].to(torch.int32)
-    sees = allowed.view(torch.uint8).sum(1, dtype=torch.int32)
-    seen_by_others = allowed.view(torch.uint8).sum(0, dtype=torch.int32) - on_diag
-    pad = (seen_by_others == 0) & (sees - on_diag == 0)
-    a = allowed
-    if bool(pad.any()):
-        a = allowed.clone()
-        a[pad] = False
-        a[:, pad] = False
-        sees = a.view(torch.uint8).sum(1, dtype=torch.int32)
-    kept = a.any(0)
+    S = mask.shape[-1]
+    if mask.shape != (S, S):
+        raise RequestError(f"a prefill mask must be square (queries = keys), got {tuple(mask.shape)}")
+    sees, seen, on_diag = _attend_counts(mask)
+    pad = (seen - on_diag == 0) & (sees - on_diag == 0)
+    ends = sees - (pad & (on_diag == 1)).to(torch.int64)  # a pad sees at most itself: nothing once dropped
+    kept = (seen > 0) & ~pad
     positions = torch.where(kept, torch.cumsum(kept, 0) - 1, torch.full((S,), -1))
-    ends = sees.to(torch.int64)
+    if int((positions.clamp(min=0) * seen).sum()) != int((ends * (ends - 1)).sum()) // 2:
+        _first_disagreement(mask, row, pad, kept, positions, ends)
+    return MaskLayout(positions, ends, ends[kept].to(torch.int32))
+
+
+def _first_disagreement(mask: torch.Tensor, row: int, pad: torch.Tensor, kept: torch.Tensor,
+                        positions: torch.Tensor, ends: torch.Tensor) -> None:
+    """Raise for the first (query, key), in row-major order, where the row's mask (padding dropped) differs from
+    the layout the paged op would give it. A full comparison: only a mask the counts refused comes here."""
+    a = _attends(mask).to("cpu", copy=True)
+    a[pad] = False
+    a[:, pad] = False
     expect = kept[None, :] & (positions[None, :] < ends[:, None])
-    if not torch.equal(a, expect):
-        q, c = (int(i) for i in (a != expect).nonzero()[0])
-        raise RequestError(
-            f"row {row}: dense query {q} {'sees' if bool(a[q, c]) else 'does not see'} key {c}, but the paged op "
-            f"gives each query the first n kept tokens of its row, in order (query {q} sees {int(ends[q])}): this "
-            "mask (a window, a gap, or padding that real tokens see) cannot be paged; run this request densely"
-        )
-    ends_by_position = ends[kept]
-    return MaskLayout(positions, ends.to(torch.int64), ends_by_position.to(torch.int32))
+    bad = (a != expect).nonzero()
+    if not len(bad):
+        raise AssertionError(f"row {row}: the mask's counts refused a layout its entries accept (a bug in layout.py)")
+    q, c = (int(i) for i in bad[0])
+    raise RequestError(
+        f"row {row}: dense query {q} {'sees' if bool(a[q, c]) else 'does not see'} key {c}, but the paged op "
+        f"gives each query the first n kept tokens of its row, in order (query {q} sees {int(ends[q])}): this "
+        "mask (a window, a gap, or padding that real tokens see) cannot be paged; run this request densely"
+    )
 
 
 def mask_disagreement(allowed: torch.Tensor, row: RowLayout, key_positions: torch.Tensor) -> str:

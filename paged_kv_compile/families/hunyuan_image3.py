@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..config import Bucket, PagedKVConfig
 from ..errors import ConfigError, RequestError
-from ..layout import MaskLayout, RowLayout, allowed_keys, layout_from_prefill_mask, mask_disagreement
+from ..layout import MaskLayout, RowLayout, allowed_keys, layout_from_prefill_mask, mask_disagreement, mask_rows
 from ..models.hunyuan_image3 import HunyuanImage3Model, HunyuanKVCache
 from ..passes.common import ancestors, is_movement
 from ..passes.site import Match, Site
@@ -55,8 +55,7 @@ class HunyuanSpec:
 
         Host side, once per request; the prefill then checks every row against it.
         """
-        allowed = allowed_keys(attention_mask, len(prefix_lens))
-        ml = layout_from_prefill_mask(allowed[0], 0)
+        ml = layout_from_prefill_mask(mask_rows(attention_mask, len(prefix_lens))[0], 0)
         p = int(prefix_lens[0])
         if ml.kept < p + target_len:
             raise RequestError(f"row 0 of the mask keeps {ml.kept} tokens, fewer than prompt {p} + target {target_len}")
@@ -226,8 +225,10 @@ class HunyuanImage3Family:
                     "each row's layout (where padding sits, which tokens are kept) from it once per request. Pass "
                     "runtime.hunyuan_forward(..., phase='prefill', attention_mask=<the mask the model gets>)"
                 )
-            allowed = allowed_keys(attention_mask, rows)
-            mask_layouts = [layout_from_prefill_mask(allowed[r], r) for r in range(rows)]
+            masks = mask_rows(attention_mask, rows)
+            mask_layouts = [layout_from_prefill_mask(masks[0], 0)]
+            for r in range(1, rows):  # a broadcast (1, ...) mask gives every row row 0's view: read once
+                mask_layouts.append(mask_layouts[0] if masks[r] is masks[0] else layout_from_prefill_mask(masks[r], r))
             for r, (ml, p) in enumerate(zip(mask_layouts, spec.prefix_lens)):
                 _check_against_spec(r, ml, p, spec)
         else:
