@@ -237,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def mask_read(argv: list[str] | None = None) -> int:
-    """`--mask-only [--repeats N] [--threads N]`: the host time of reading one CFG row's layout from a
-    HunyuanImage-3 prefill mask (`layout.layout_from_prefill_mask`, once per row and request): the prefill of
-    `hunyuan()` above (prompts 1000 and 300 padded to 1024, then the 4098-token target: S = 5122), its
-    [prompt | pad | target] (2, 1, S, S) mask boolean and bf16 additive (0 / finfo.min)."""
+    """`--mask-only [--repeats N] [--threads N]`: the host time of the HunyuanImage-3 mask reads, once per
+    request: one CFG row's layout read from its prefill mask (`layout.layout_from_prefill_mask`), and the first
+    step's plan, which checks both rows' step masks against the layout (`layout.mask_disagreement`). The
+    request of `hunyuan()` above (prompts 1000 and 300 padded to 1024, then the 4098-token target: S = 5122),
+    its [prompt | pad | target] (2, 1, S, S) mask boolean and bf16 additive (0 / finfo.min); the step's mask is
+    its target rows."""
     from paged_kv_compile.layout import layout_from_prefill_mask, mask_rows
 
     parser = argparse.ArgumentParser(description=mask_read.__doc__.splitlines()[0])
@@ -250,18 +252,28 @@ def mask_read(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = HUNYUAN_IMAGE3
-    allowed = HunyuanSpec((1000, 300), cfg.target_len, ((1, 1 + cfg.image_tokens),)).padded_mask(1024)
+    cfg, block, prefix = HUNYUAN_IMAGE3, 16, 1024
+    spec = HunyuanSpec((1000, 300), cfg.target_len, ((1, 1 + cfg.image_tokens),))
+    allowed = spec.padded_mask(prefix)
     additive = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
-    print(f"S = {allowed.shape[-1]}, torch threads {torch.get_num_threads()}, {args.repeats} repeats; ms per row")
+    print(f"S = {allowed.shape[-1]}, torch threads {torch.get_num_threads()}, {args.repeats} repeats; ms")
+    summary = lambda xs: f"median {statistics.median(xs):.1f}, min {min(xs):.1f}, max {max(xs):.1f}"  # noqa: E731
     for name, mask in (("bool", allowed), ("bf16 additive", additive)):
-        times = []
+        rows, steps = [], []
         for _ in range(args.repeats):
             for r, row in enumerate(mask_rows(mask, 2)):
                 t0 = time.perf_counter_ns()
                 layout_from_prefill_mask(row, r)
-                times.append((time.perf_counter_ns() - t0) / 1e6)
-        print(f"{name}: median {statistics.median(times):.1f}, min {min(times):.1f}, max {max(times):.1f}")
+                rows.append((time.perf_counter_ns() - t0) / 1e6)
+            sched, _ = _setup(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, 2 * prefix // block,
+                              cfg.target_len)
+            sched.admit_request("r", spec)
+            sched.finish_forward(sched.plan_hunyuan("r", phase="prefill", prefix_capacity=prefix,
+                                                    attention_mask=mask))
+            t0 = time.perf_counter_ns()
+            sched.plan_hunyuan("r", phase="step", prefix_capacity=prefix, attention_mask=mask[:, :, prefix:])
+            steps.append((time.perf_counter_ns() - t0) / 1e6)
+        print(f"{name}: prefill mask, per row: {summary(rows)}; first step plan (2 rows): {summary(steps)}")
     return 0
 
 

@@ -93,8 +93,15 @@ class RowLayout:
         return len(self.arrays[0])
 
 
-def _mask_3d(mask: torch.Tensor, rows: int) -> torch.Tensor:
-    """`mask` as a (1 or rows, Q, K) view, unconverted, after the shape checks every mask reader shares."""
+def mask_rows(mask: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """Each CFG row's (Q, K) mask: a view of `mask`, not converted (the readers convert a block of queries at a
+    time, `_attends`), so no (rows, Q, K) bool copy is made. A broadcast (1, ...) mask gives every row the
+    same view object.
+
+    Accepts (rows, 1, Q, K), (rows, Q, K) or a broadcast (1, ...) mask; boolean (True = attend) or
+    additive (0 = attend; -inf or the dtype's lowest value = masked). Any other additive value is kept as
+    "attended" and then fails the prefix check: refused, never silently reinterpreted.
+    """
     if mask.dim() == 4:
         if mask.shape[1] != 1:
             raise RequestError(f"the attention mask has {mask.shape[1]} head rows; one (broadcast over heads) is needed")
@@ -103,26 +110,7 @@ def _mask_3d(mask: torch.Tensor, rows: int) -> torch.Tensor:
         raise RequestError(f"the attention mask must be (rows, 1, queries, keys), got shape {tuple(mask.shape)}")
     if mask.shape[0] not in (1, rows):
         raise RequestError(f"the attention mask has {mask.shape[0]} rows but the request has {rows} CFG rows")
-    return mask.detach()
-
-
-def allowed_keys(mask: torch.Tensor, rows: int) -> torch.Tensor:
-    """(rows, Q, K) bool on the host: which key columns each query may attend.
-
-    Accepts (rows, 1, Q, K), (rows, Q, K) or a broadcast (1, ...) mask; boolean (True = attend) or
-    additive (0 = attend; -inf or the dtype's lowest value = masked). Any other additive value is kept as
-    "attended" and then fails the prefix check: refused, never silently reinterpreted.
-    """
-    mask = _mask_3d(mask, rows)
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
-    return allowed.expand(rows, *allowed.shape[1:]).to("cpu")
-
-
-def mask_rows(mask: torch.Tensor, rows: int) -> list[torch.Tensor]:
-    """Each CFG row's (Q, K) mask as a view of `mask`, not converted (`layout_from_prefill_mask` reads the raw
-    values a block of queries at a time): the same shapes and the same errors as `allowed_keys`, without
-    materializing a (rows, Q, K) bool copy. A broadcast (1, ...) mask gives every row the same view object."""
-    mask = _mask_3d(mask, rows)
+    mask = mask.detach()
     return [mask[r] for r in range(rows)] if mask.shape[0] > 1 else [mask[0]] * rows
 
 
@@ -153,28 +141,31 @@ def _attends(block: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor
     return block > torch.finfo(block.dtype).min
 
 
-def _attend_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per query how many keys it attends, per key how many queries attend it, and the diagonal (int64, host)
-    of a square mask.
+def _attend_counts(mask: torch.Tensor, counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query how many keys it attends, and per key how many of the `counted` queries (default: all)
+    attend it (int64, on the host).
 
     On the host, one read of the mask a block of queries at a time, converted and summed both ways while in
     cache, with numpy (single-threaded: torch's intra-op threads made these small sums slower on a loaded
     host, see docs/benchmarks.md). A device mask is reduced on its device; only the counts come back.
     """
-    on_diag = _attends(torch.diagonal(mask)).to("cpu", torch.int64)
     if mask.device.type != "cpu":
         attends = _attends(mask).to(torch.int32)
-        return attends.sum(1).to("cpu", torch.int64), attends.sum(0).to("cpu", torch.int64), on_diag
+        rows = attends if counted is None else attends[counted.to(mask.device)]
+        return attends.sum(1).to("cpu", torch.int64), rows.sum(0).to("cpu", torch.int64)
     Q, K = mask.shape
     step = max(1, _BLOCK_ELEMENTS // max(K, 1))
+    skipped = None if counted is None or bool(counted.all()) else (~counted).numpy()
     per_query, per_key = np.empty(Q, dtype=np.int32), np.zeros(K, dtype=np.int32)
     out = np.empty((min(step, Q), K), dtype=bool)
     for start in range(0, Q, step):
         block = mask[start : start + step]
         attends = _attends(block, out[: len(block)]).numpy().view(np.uint8)
         np.add.reduce(attends, axis=1, dtype=np.int32, out=per_query[start : start + len(block)])
+        if skipped is not None and skipped[start : start + len(block)].any():
+            attends = attends[~skipped[start : start + len(block)]]
         per_key += np.add.reduce(attends, axis=0, dtype=np.int32)
-    return torch.from_numpy(per_query).to(torch.int64), torch.from_numpy(per_key).to(torch.int64), on_diag
+    return torch.from_numpy(per_query).to(torch.int64), torch.from_numpy(per_key).to(torch.int64)
 
 
 @dataclass(frozen=True)
@@ -199,7 +190,7 @@ class MaskLayout:
 def layout_from_prefill_mask(mask: torch.Tensor, row: int = 0) -> MaskLayout:
     """Read a row's layout from its (S, S) prefill mask, or refuse with the first query it cannot express.
 
-    `mask`: boolean or additive, as `allowed_keys` reads it (a `mask_rows` view). The paged op gives every
+    `mask`: a `mask_rows` view (boolean or additive). The paged op gives every
     query the first `visible_end` kept tokens of its row, in order. So: a token is padding when no other token
     sees it and it sees nothing but (at most) itself; every other token that anyone sees is kept, in dense
     order, wherever the padding sits (left, middle, right); and every query must see exactly a prefix of the
@@ -215,7 +206,8 @@ def layout_from_prefill_mask(mask: torch.Tensor, row: int = 0) -> MaskLayout:
     S = mask.shape[-1]
     if mask.shape != (S, S):
         raise RequestError(f"a prefill mask must be square (queries = keys), got {tuple(mask.shape)}")
-    sees, seen, on_diag = _attend_counts(mask)
+    sees, seen = _attend_counts(mask)
+    on_diag = _attends(torch.diagonal(mask)).to("cpu", torch.int64)
     pad = (seen - on_diag == 0) & (sees - on_diag == 0)
     ends = sees - (pad & (on_diag == 1)).to(torch.int64)  # a pad sees at most itself: nothing once dropped
     kept = (seen > 0) & ~pad
@@ -244,21 +236,40 @@ def _first_disagreement(mask: torch.Tensor, row: int, pad: torch.Tensor, kept: t
     )
 
 
-def mask_disagreement(allowed: torch.Tensor, row: RowLayout, key_positions: torch.Tensor) -> str:
+def mask_disagreement(mask: torch.Tensor, row: RowLayout, key_positions: torch.Tensor) -> str:
     """Where a dense (Q, K) mask row block disagrees with what the paged op gives each query ("" if nowhere).
 
-    key_positions[c] is the logical position dense key column c holds (-1: padding, never visible).
-    Queries with nothing visible (padding) are not compared: their output is not computed.
+    `mask`: a `mask_rows` view (boolean or additive). key_positions[c] is the
+    logical position dense key column c holds (-1: padding, never visible). Queries with nothing visible
+    (padding) are not compared: their output is not computed.
+
+    Decided from O(K) counts, like `layout_from_prefill_mask`: query t must see E_t, the columns holding a
+    position in [0, visible_end[t]), which are the |E_t| columns of smallest weight (its position; a padding
+    column weighs more than any position). A query seeing |E_t| columns sees weights summing to at least E_t's,
+    with equality exactly when it sees E_t. So: every compared query sees as many columns as E_t has, and the
+    weights seen, summed over those queries, equal the sum of the E_t's. Only a disagreeing mask is compared
+    entry by entry, for the first (query, key).
     """
-    if allowed.shape[-1] != len(key_positions) or allowed.shape[-2] < row.num_tokens:
-        return (f"mask shape {tuple(allowed.shape)} vs {row.num_tokens} queries over {len(key_positions)} "
+    if mask.shape[-1] != len(key_positions) or mask.shape[-2] < row.num_tokens:
+        return (f"mask shape {tuple(mask.shape)} vs {row.num_tokens} queries over {len(key_positions)} "
                 "dense key columns")
-    expect = (key_positions[None, :] >= 0) & (key_positions[None, :] < row.visible_end[:, None])
-    valid = row.visible_end > 0
-    got = allowed[: row.num_tokens]
+    got = mask[: row.num_tokens]
+    ends = row.visible_end.to(torch.int64)
+    keys = key_positions.to("cpu", torch.int64)
+    valid = ends > 0
+    held = torch.sort(keys[keys >= 0]).values
+    count = torch.searchsorted(held, ends)  # |E_t|
+    firsts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(held, 0)])  # firsts[n]: n smallest summed
+    heavy = max(int(ends.max()) if len(ends) else 0, int(keys.max()) if len(keys) else 0) + 1
+    weight = torch.where(keys >= 0, keys, heavy)
+    sees, seen = _attend_counts(got, valid)
+    if torch.equal(sees[valid], count[valid]) and int((seen * weight).sum()) == int(firsts[count[valid]].sum()):
+        return ""
+    got = _attends(got).to("cpu")
+    expect = (keys[None, :] >= 0) & (keys[None, :] < ends[:, None])
     bad = ((got != expect) & valid[:, None]).nonzero()
     if not len(bad):
-        return ""
+        raise AssertionError("a mask's counts disagree with a layout its entries match (a bug in layout.py)")
     t, c = (int(i) for i in bad[0])
     return f"query {t}, key column {c}: mask {bool(got[t, c])}, layout {bool(expect[t, c])}"
 

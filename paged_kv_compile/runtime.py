@@ -22,7 +22,7 @@ from . import families
 from .families.base import ForwardPlan, Owner
 from .families.dreamzero import DreamZeroSpec
 from .families.hunyuan_image3 import HunyuanSpec, prefix_capacity_for
-from .layout import allowed_keys, mask_disagreement
+from .layout import mask_disagreement, mask_rows
 from .metadata import BucketMetadata, MetadataBuilder
 from .pool import KVPool
 from .scheduler import Scheduler
@@ -261,16 +261,16 @@ class PagedKVRuntime:
         Boolean or additive masks.
         """
         plan = self.require_active().plan
-        allowed = allowed_keys(mask, len(plan.rows))
+        masks = mask_rows(mask, len(plan.rows))
         for r, row in enumerate(plan.rows):
             keys = plan.key_positions[r] if plan.key_positions else None
             if keys is None:
-                keys, cols = row.positions, allowed.shape[-1]
+                keys, cols = row.positions, masks[r].shape[-1]
                 if cols != row.num_tokens:  # [cached prefix | new tokens]: column j is logical j below the prefix
                     first_new = int(row.positions[row.positions >= 0].min())
                     cached = torch.arange(cols - row.num_tokens)
                     keys = torch.cat([torch.where(cached < first_new, cached, -1), row.positions])
-            why = mask_disagreement(allowed[r], row, keys)
+            why = mask_disagreement(masks[r], row, keys)
             if why:
                 raise RequestError(
                     f"check_mask: row {r}'s dense mask disagrees with the runtime's layout at {why}: the request "

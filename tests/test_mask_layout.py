@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from paged_kv_compile import RequestError, layout
-from paged_kv_compile.layout import layout_from_prefill_mask, mask_rows
+from paged_kv_compile.layout import RowLayout, layout_from_prefill_mask, mask_disagreement, mask_rows
 
 
 def _oracle_allowed(mask: torch.Tensor, rows: int) -> torch.Tensor:
@@ -199,3 +199,53 @@ def test_empty_and_single_token_masks():
         for fill in (True, False):
             _compare(torch.full((1, 1, S, S), fill, dtype=torch.bool), 1)
             _compare(torch.full((2, 1, S, S), 0.0 if fill else float("-inf")), 2)
+
+
+def _oracle_disagreement(allowed: torch.Tensor, row: RowLayout, key_positions: torch.Tensor) -> str:
+    if allowed.shape[-1] != len(key_positions) or allowed.shape[-2] < row.num_tokens:
+        return (f"mask shape {tuple(allowed.shape)} vs {row.num_tokens} queries over {len(key_positions)} "
+                "dense key columns")
+    expect = (key_positions[None, :] >= 0) & (key_positions[None, :] < row.visible_end[:, None])
+    valid = row.visible_end > 0
+    got = allowed[: row.num_tokens]
+    bad = ((got != expect) & valid[:, None]).nonzero()
+    if not len(bad):
+        return ""
+    t, c = (int(i) for i in bad[0])
+    return f"query {t}, key column {c}: mask {bool(got[t, c])}, layout {bool(expect[t, c])}"
+
+
+@pytest.mark.parametrize("block", [1 << 19, 5])
+def test_step_mask_check_matches_full_comparison(monkeypatch, block):
+    """`mask_disagreement` (the step mask check, `runtime.check_dense_mask`) from counts names the same first
+    disagreeing (query, key) as the full comparison, or none, on random layouts: key columns in order or
+    shuffled, padding columns, repeated positions, padded queries (visible end 0), extra mask rows."""
+    monkeypatch.setattr(layout, "_BLOCK_ELEMENTS", block)
+    rng = random.Random(99 + block)
+    agree = differ = 0
+    for _ in range(400):
+        T, K = rng.randrange(1, 12), rng.randrange(1, 20)
+        keys = list(range(K))
+        if rng.random() < 0.5:
+            rng.shuffle(keys)
+        keys = [k if rng.random() > 0.2 else -1 for k in keys]
+        if rng.random() < 0.2:
+            keys[rng.randrange(K)] = keys[rng.randrange(K)]  # a repeated position
+        keys = torch.tensor(keys, dtype=torch.int64)
+        ends = torch.tensor([rng.randrange(0, K + 3) if rng.random() > 0.2 else 0 for _ in range(T)])
+        row = RowLayout.build([], [0], torch.arange(T), ends, K)
+        allowed = (keys[None, :] >= 0) & (keys[None, :] < row.visible_end[:, None])
+        extra = rng.choice([0, 0, 2])
+        allowed = torch.cat([allowed, torch.rand(extra, K) < 0.5])
+        if rng.random() < 0.5:
+            allowed = _perturbed(rng, allowed) if T + extra == K else allowed.clone()
+            for _ in range(rng.randrange(0, 3)):
+                q, c = rng.randrange(T + extra), rng.randrange(K)
+                allowed[q, c] = ~allowed[q, c]
+        mask = _encoded(rng, allowed[None])
+        if rng.random() < 0.05:
+            mask = mask[..., : K - 1]  # a shape that does not fit
+        want = _oracle_disagreement(_oracle_allowed(mask, 1)[0], row, keys)
+        assert mask_disagreement(mask_rows(mask, 1)[0], row, keys) == want, (mask, row, keys)
+        agree, differ = agree + (want == ""), differ + (want != "")
+    assert agree > 100 and differ > 100

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..config import Bucket, PagedKVConfig
 from ..errors import ConfigError, RequestError
-from ..layout import MaskLayout, RowLayout, allowed_keys, layout_from_prefill_mask, mask_disagreement, mask_rows
+from ..layout import MaskLayout, RowLayout, layout_from_prefill_mask, mask_disagreement, mask_rows
 from ..models.hunyuan_image3 import HunyuanImage3Model, HunyuanKVCache
 from ..passes.common import ancestors, is_movement
 from ..passes.site import Match, Site
@@ -253,7 +253,7 @@ class HunyuanImage3Family:
             owner, (kind, owner.version, prefix_capacity, blocks.first_scratch_row), make)
         state = {"layouts": mask_layouts} if kind == "prefill" else {}
         if kind == "step" and attention_mask is not None and not owner.state.get("step_mask_checked"):
-            _check_step_mask(allowed_keys(attention_mask, rows), layouts, key_positions)
+            _check_step_mask(mask_rows(attention_mask, rows), layouts, key_positions)
             state["step_mask_checked"] = True
         tokens = len(mask_layouts[0].positions) if kind == "prefill" else T
         key = (owner.owner_id, kind, owner.version, prefix_capacity)
@@ -390,9 +390,9 @@ def _step_key_positions(ml: MaskLayout, p: int, capacity: int, positions: torch.
     return torch.cat([ml.positions, torch.full((capacity - len(ml.positions),), -1, dtype=torch.int64)])
 
 
-def _check_step_mask(allowed: torch.Tensor, layouts: list[RowLayout], key_positions: list[torch.Tensor]) -> None:
+def _check_step_mask(masks: list[torch.Tensor], layouts: list[RowLayout], key_positions: list[torch.Tensor]) -> None:
     for r, (row, keys) in enumerate(zip(layouts, key_positions)):
-        why = mask_disagreement(allowed[r], row, keys)
+        why = mask_disagreement(masks[r], row, keys)
         if why:
             raise RequestError(
                 f"row {r}: the step's mask disagrees with the layout read at the prefill ({why}): the steps do "
