@@ -164,14 +164,9 @@ def _compare(mask: torch.Tensor, rows: int) -> tuple[int, int]:
     return accepted, refused
 
 
-@pytest.mark.parametrize("block", [1 << 19, 7, 1])
-def test_mask_read_matches_full_comparison(monkeypatch, block):
-    """Random masks, per row and broadcast, boolean and additive: identical layouts and refusals (message
-    included) to the full comparison, with the mask read in one block or in blocks of one query row."""
-    monkeypatch.setattr(layout, "_BLOCK_ELEMENTS", block)
-    rng = random.Random(1234 + block)
-    accepted = refused = 0
-    for _ in range(300):
+def _prefill_masks(rng: random.Random, n: int):
+    """`n` random (mask, rows): per row or broadcast, pageable or perturbed, boolean or additive."""
+    for _ in range(n):
         S = rng.randrange(1, 20)
         rows = rng.choice([1, 2])
         broadcast = rows == 2 and rng.random() < 0.3
@@ -180,11 +175,26 @@ def test_mask_read_matches_full_comparison(monkeypatch, block):
             m = _pageable(rng, S)
             per_row.append(_perturbed(rng, m) if rng.random() < 0.4 else m)
         mask = _encoded(rng, torch.stack(per_row))
-        if rng.random() < 0.7:
-            mask = mask[:, None]  # (rows, 1, S, S), as the model passes it
+        yield (mask[:, None] if rng.random() < 0.7 else mask), rows  # (rows, 1, S, S): as the model passes it
+
+
+@pytest.mark.parametrize("block", [1 << 19, 7, 1])
+def test_mask_read_matches_full_comparison(monkeypatch, block):
+    """Random masks, per row and broadcast, boolean and additive: identical layouts and refusals (message
+    included) to the full comparison, with the mask read in one block or in blocks of one query row."""
+    monkeypatch.setattr(layout, "_BLOCK_ELEMENTS", block)
+    accepted = refused = 0
+    for mask, rows in _prefill_masks(random.Random(1234 + block), 300):
         a, r = _compare(mask, rows)
         accepted, refused = accepted + a, refused + r
     assert accepted > 150 and refused > 80  # both paths exercised
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mask_read_matches_full_comparison():
+    """A mask on the device is reduced there (`layout._attend_counts`): the same layouts and refusals."""
+    for mask, rows in _prefill_masks(random.Random(7), 100):
+        _compare(mask.to("cuda"), rows)
 
 
 def test_mask_read_shape_errors_match():
@@ -215,15 +225,10 @@ def _oracle_disagreement(allowed: torch.Tensor, row: RowLayout, key_positions: t
     return f"query {t}, key column {c}: mask {bool(got[t, c])}, layout {bool(expect[t, c])}"
 
 
-@pytest.mark.parametrize("block", [1 << 19, 5])
-def test_step_mask_check_matches_full_comparison(monkeypatch, block):
-    """`mask_disagreement` (the step mask check, `runtime.check_dense_mask`) from counts names the same first
-    disagreeing (query, key) as the full comparison, or none, on random layouts: key columns in order or
-    shuffled, padding columns, repeated positions, padded queries (visible end 0), extra mask rows."""
-    monkeypatch.setattr(layout, "_BLOCK_ELEMENTS", block)
-    rng = random.Random(99 + block)
-    agree = differ = 0
-    for _ in range(400):
+def _step_cases(rng: random.Random, n: int):
+    """`n` random (mask, row, key_positions): key columns in order or shuffled, padding columns, repeated
+    positions, padded queries (visible end 0), extra mask rows, a few entries flipped, a misfit shape."""
+    for _ in range(n):
         T, K = rng.randrange(1, 12), rng.randrange(1, 20)
         keys = list(range(K))
         if rng.random() < 0.5:
@@ -243,9 +248,24 @@ def test_step_mask_check_matches_full_comparison(monkeypatch, block):
                 q, c = rng.randrange(T + extra), rng.randrange(K)
                 allowed[q, c] = ~allowed[q, c]
         mask = _encoded(rng, allowed[None])
-        if rng.random() < 0.05:
-            mask = mask[..., : K - 1]  # a shape that does not fit
+        yield (mask[..., : K - 1] if rng.random() < 0.05 else mask), row, keys
+
+
+@pytest.mark.parametrize("block", [1 << 19, 5])
+def test_step_mask_check_matches_full_comparison(monkeypatch, block):
+    """`mask_disagreement` (the step mask check, `runtime.check_dense_mask`) from counts names the same first
+    disagreeing (query, key) as the full comparison, or none."""
+    monkeypatch.setattr(layout, "_BLOCK_ELEMENTS", block)
+    agree = differ = 0
+    for mask, row, keys in _step_cases(random.Random(99 + block), 400):
         want = _oracle_disagreement(_oracle_allowed(mask, 1)[0], row, keys)
         assert mask_disagreement(mask_rows(mask, 1)[0], row, keys) == want, (mask, row, keys)
         agree, differ = agree + (want == ""), differ + (want != "")
     assert agree > 100 and differ > 100
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_step_mask_check_matches_full_comparison():
+    for mask, row, keys in _step_cases(random.Random(5), 100):
+        want = _oracle_disagreement(_oracle_allowed(mask, 1)[0], row, keys)
+        assert mask_disagreement(mask_rows(mask.to("cuda"), 1)[0], row, keys) == want
