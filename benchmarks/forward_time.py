@@ -217,6 +217,21 @@ def op_overhead(repeats: int = 20, calls: int = 200) -> dict:
                    "min_us": round(min(t) / calls * 1e6, 1)} for name, t in times.items()}
 
 
+def settle_heap() -> None:
+    """Allocate and free one 16 MiB block, so that glibc serves later allocations below 16 MiB from its
+    heap and keeps freed memory there, as a long-running process has it (its mmap threshold adapts to
+    the largest mmapped block freed, up to 32 MiB: a larger block would not move it).
+
+    Why: without it, which side paid page faults for fresh memory depended on what the other side had
+    just freed: the paged op reads the pool through views (ops/reference.py: _span_view) and allocates
+    less per call, and dense's `cat` outputs then took about 1,100 minor faults per call; the same code
+    measured 0.93x-1.16x at chunk 1 from one process to the next, 1.31x in both runs after this call
+    (docs/benchmarks.md, "CPU attention")."""
+    block = torch.empty(16 * 2**20, dtype=torch.uint8)
+    block.fill_(0)
+    del block
+
+
 def run(quick: bool = False, inner: str | None = None, configs: list[str] | None = None,
         repeats: int | None = None, threads: int | None = None, attention_only: bool = False,
         clock: str = "wall", overhead: bool = False, view_runs: bool = True) -> dict:
@@ -227,6 +242,7 @@ def run(quick: bool = False, inner: str | None = None, configs: list[str] | None
     t0 = time.perf_counter()
     rows, attention = [], []
     old_view_runs, reference.VIEW_RUNS = reference.VIEW_RUNS, view_runs
+    settle_heap()
     try:
         with bench_settings(threads or (1 if quick else None)):
             machine = machine_info()
