@@ -205,3 +205,47 @@ def test_a_call_without_gradients_skips_custom_ops_python_layers_and_still_bumps
     assert calls, "with a gradient needed, custom_op's own layers run"
     with pytest.raises(RuntimeError, match="no autograd formula"):
         out.sum().backward()
+
+
+def _torch_checks_pass(monkeypatch, args) -> bool:
+    with monkeypatch.context() as m:
+        m.setattr(wa, "_values_ok", lambda *a: False)  # the torch checks alone
+        try:
+            wa.check_values(*args)
+        except OpInputError:
+            return False
+    return True
+
+
+def test_the_host_value_check_passes_exactly_what_the_torch_checks_pass(monkeypatch):
+    """`write_attend._values_ok` (numpy, every CPU call) must never pass metadata the torch checks refuse, nor
+    refuse what they pass: random valid metadata of each visibility, then each array with each boundary value
+    at a random entry."""
+    import itertools
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    N, B, M = 6, 4, 3
+    verdicts = set()
+    corruptions = [(None, None)] * 8 + list(itertools.product(
+        ["slots", "table", "seq", "vis"], [-2, -1, 0, 1, N - 1, N, N * B - 1, N * B, M * B, M * B + 1, "dup"]))
+    for visibility, (corrupt, value) in itertools.product(["general", "full", "causal"], corruptions):
+        R, T = int(rng.integers(1, 4)), int(rng.integers(2, 7))
+        seq = rng.integers(T, M * B + 1, size=R)
+        t = np.arange(T)
+        vis = {"general": rng.integers(0, seq[:, None] + 1, size=(R, T)), "full": np.repeat(seq[:, None], T, 1),
+               "causal": seq[:, None] - T + t + 1}[visibility]
+        slots = rng.permutation(N * B)[: R * T].reshape(R, T)
+        slots[rng.random((R, T)) < 0.2] = -1
+        arrays = {"slots": slots, "table": rng.integers(0, N, size=(R, M)), "seq": seq, "vis": vis}
+        if corrupt is not None:
+            flat = arrays[corrupt].reshape(-1)
+            flat[rng.integers(flat.size)] = flat[0] if value == "dup" else value
+        args = (torch.zeros(R, T, 1, 2), torch.zeros(2, N, B, 1, 2), torch.from_numpy(slots.astype(np.int64)),
+                torch.from_numpy(arrays["table"].astype(np.int32)), torch.from_numpy(seq.astype(np.int32)),
+                torch.from_numpy(vis.astype(np.int32)), visibility)
+        want = _torch_checks_pass(monkeypatch, args)
+        assert wa._values_ok(*args) == want, (visibility, corrupt, value, arrays)
+        verdicts.add(want)
+    assert verdicts == {True, False}
