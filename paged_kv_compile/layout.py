@@ -141,21 +141,22 @@ def _attends(block: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor
     return block > torch.finfo(block.dtype).min
 
 
-def _attend_counts(mask: torch.Tensor, counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_counts(mask: torch.Tensor, counted: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per query how many keys it attends, and per key how many of the `counted` queries (default: all)
-    attend it (int64, on the host).
+    attend it (int64 numpy arrays).
 
     On the host, one read of the mask a block of queries at a time, converted and summed both ways while in
-    cache, with numpy (single-threaded: torch's intra-op threads made these small sums slower on a loaded
-    host, see docs/benchmarks.md). A device mask is reduced on its device; only the counts come back.
+    cache, with numpy. The readers' O(S) work on the counts is numpy too: single-threaded, it does not wait on
+    torch's intra-op threads, which made these small operations several times slower on a loaded host
+    (docs/benchmarks.md). A device mask is reduced on its device; only the counts come back.
     """
     if mask.device.type != "cpu":
         attends = _attends(mask).to(torch.int32)
-        rows = attends if counted is None else attends[counted.to(mask.device)]
-        return attends.sum(1).to("cpu", torch.int64), rows.sum(0).to("cpu", torch.int64)
+        rows = attends if counted is None else attends[torch.from_numpy(counted).to(mask.device)]
+        return attends.sum(1).cpu().numpy().astype(np.int64), rows.sum(0).cpu().numpy().astype(np.int64)
     Q, K = mask.shape
     step = max(1, _BLOCK_ELEMENTS // max(K, 1))
-    skipped = None if counted is None or bool(counted.all()) else (~counted).numpy()
+    skipped = None if counted is None or counted.all() else ~counted
     per_query, per_key = np.empty(Q, dtype=np.int32), np.zeros(K, dtype=np.int32)
     out = np.empty((min(step, Q), K), dtype=bool)
     for start in range(0, Q, step):
@@ -165,7 +166,7 @@ def _attend_counts(mask: torch.Tensor, counted: torch.Tensor | None = None) -> t
         if skipped is not None and skipped[start : start + len(block)].any():
             attends = attends[~skipped[start : start + len(block)]]
         per_key += np.add.reduce(attends, axis=0, dtype=np.int32)
-    return torch.from_numpy(per_query).to(torch.int64), torch.from_numpy(per_key).to(torch.int64)
+    return per_query.astype(np.int64), per_key.astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -207,14 +208,15 @@ def layout_from_prefill_mask(mask: torch.Tensor, row: int = 0) -> MaskLayout:
     if mask.shape != (S, S):
         raise RequestError(f"a prefill mask must be square (queries = keys), got {tuple(mask.shape)}")
     sees, seen = _attend_counts(mask)
-    on_diag = _attends(torch.diagonal(mask)).to("cpu", torch.int64)
-    pad = (seen - on_diag == 0) & (sees - on_diag == 0)
-    ends = sees - (pad & (on_diag == 1)).to(torch.int64)  # a pad sees at most itself: nothing once dropped
+    on_diag = _attends(torch.diagonal(mask)).cpu().numpy().astype(np.int64)
+    pad = (seen == on_diag) & (sees == on_diag)
+    ends = sees - (pad & (on_diag == 1))  # a pad sees at most itself: nothing once dropped
     kept = (seen > 0) & ~pad
-    positions = torch.where(kept, torch.cumsum(kept, 0) - 1, torch.full((S,), -1))
-    if int((positions.clamp(min=0) * seen).sum()) != int((ends * (ends - 1)).sum()) // 2:
-        _first_disagreement(mask, row, pad, kept, positions, ends)
-    return MaskLayout(positions, ends, ends[kept].to(torch.int32))
+    positions = np.where(kept, np.cumsum(kept, dtype=np.int64) - 1, -1)
+    if int((np.maximum(positions, 0) * seen).sum()) != int((ends * (ends - 1)).sum()) // 2:
+        _first_disagreement(mask, row, *(torch.from_numpy(x) for x in (pad, kept, positions, ends)))
+    ends_by_position = ends[kept].astype(np.int32)
+    return MaskLayout(torch.from_numpy(positions), torch.from_numpy(ends), torch.from_numpy(ends_by_position))
 
 
 def _first_disagreement(mask: torch.Tensor, row: int, pad: torch.Tensor, kept: torch.Tensor,
@@ -254,18 +256,19 @@ def mask_disagreement(mask: torch.Tensor, row: RowLayout, key_positions: torch.T
         return (f"mask shape {tuple(mask.shape)} vs {row.num_tokens} queries over {len(key_positions)} "
                 "dense key columns")
     got = mask[: row.num_tokens]
-    ends = row.visible_end.to(torch.int64)
-    keys = key_positions.to("cpu", torch.int64)
+    ends = row.arrays[3].astype(np.int64)  # visible_end
+    keys = key_positions.to("cpu", torch.int64).numpy()
     valid = ends > 0
-    held = torch.sort(keys[keys >= 0]).values
-    count = torch.searchsorted(held, ends)  # |E_t|
-    firsts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(held, 0)])  # firsts[n]: n smallest summed
+    held = np.sort(keys[keys >= 0])
+    count = np.searchsorted(held, ends)  # |E_t|
+    firsts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(held)])  # firsts[n]: the n smallest, summed
     heavy = max(int(ends.max()) if len(ends) else 0, int(keys.max()) if len(keys) else 0) + 1
-    weight = torch.where(keys >= 0, keys, heavy)
+    weight = np.where(keys >= 0, keys, heavy)
     sees, seen = _attend_counts(got, valid)
-    if torch.equal(sees[valid], count[valid]) and int((seen * weight).sum()) == int(firsts[count[valid]].sum()):
+    if np.array_equal(sees[valid], count[valid]) and int((seen * weight).sum()) == int(firsts[count[valid]].sum()):
         return ""
     got = _attends(got).to("cpu")
+    keys, ends, valid = torch.from_numpy(keys), torch.from_numpy(ends), torch.from_numpy(valid)
     expect = (keys[None, :] >= 0) & (keys[None, :] < ends[:, None])
     bad = ((got != expect) & valid[:, None]).nonzero()
     if not len(bad):
