@@ -14,6 +14,7 @@ A fresh build is what a server interleaving owners pays: the forwards of two ses
 so each build replaces the other owner's layout; a repeat is the same owner's next denoising step.
 
     python benchmarks/metadata_cost.py [--repeats N] [--json] [--device cpu|cuda] [--threads N] [--busy N]
+    python benchmarks/metadata_cost.py --mask-only [--repeats N] [--threads N]   # see `mask_read`
 
 `--busy N` keeps N other processes spinning (`python -c "while True: pass"`) while it measures.
 """
@@ -210,6 +211,9 @@ COLUMNS = [("model", "model"), ("layers", "layers"), ("forward", "forward"), ("b
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--mask-only" in argv:
+        return mask_read(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", action="store_true")
@@ -243,24 +247,33 @@ def mask_read(argv: list[str] | None = None) -> int:
     request of `hunyuan()` above (prompts 1000 and 300 padded to 1024, then the 4098-token target: S = 5122),
     its [prompt | pad | target] (2, 1, S, S) mask boolean and bf16 additive (0 / finfo.min); the step's mask is
     its target rows."""
-    from paged_kv_compile.layout import layout_from_prefill_mask, mask_rows
-
     parser = argparse.ArgumentParser(description=mask_read.__doc__.splitlines()[0])
     parser.add_argument("--mask-only", action="store_true")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
+    old_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        _mask_read(args.repeats)
+    finally:
+        torch.set_num_threads(old_threads)
+    return 0
+
+
+def _mask_read(repeats: int) -> None:
+    from paged_kv_compile.layout import layout_from_prefill_mask, mask_rows
+
     cfg, block, prefix = HUNYUAN_IMAGE3, 16, 1024
     spec = HunyuanSpec((1000, 300), cfg.target_len, ((1, 1 + cfg.image_tokens),))
     allowed = spec.padded_mask(prefix)
     additive = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
-    print(f"S = {allowed.shape[-1]}, torch threads {torch.get_num_threads()}, {args.repeats} repeats; ms")
+    print(f"S = {allowed.shape[-1]}, torch threads {torch.get_num_threads()}, {repeats} repeats; ms")
     summary = lambda xs: f"median {statistics.median(xs):.1f}, min {min(xs):.1f}, max {max(xs):.1f}"  # noqa: E731
     for name, mask in (("bool", allowed), ("bf16 additive", additive)):
         rows, steps = [], []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for r, row in enumerate(mask_rows(mask, 2)):
                 t0 = time.perf_counter_ns()
                 layout_from_prefill_mask(row, r)
@@ -274,8 +287,7 @@ def mask_read(argv: list[str] | None = None) -> int:
             sched.plan_hunyuan("r", phase="step", prefix_capacity=prefix, attention_mask=mask[:, :, prefix:])
             steps.append((time.perf_counter_ns() - t0) / 1e6)
         print(f"{name}: prefill mask, per row: {summary(rows)}; first step plan (2 rows): {summary(steps)}")
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(mask_read(sys.argv[1:]) if "--mask-only" in sys.argv[1:] else main())
+    raise SystemExit(main())
