@@ -190,6 +190,7 @@ def test_mask_read_matches_full_comparison(monkeypatch, block):
     assert accepted > 150 and refused > 80  # both paths exercised
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_mask_read_matches_full_comparison():
     """A mask on the device is reduced there (`layout._attend_counts`): the same layouts and refusals."""
@@ -264,6 +265,7 @@ def test_step_mask_check_matches_full_comparison(monkeypatch, block):
     assert agree > 100 and differ > 100
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_step_mask_check_matches_full_comparison():
     for mask, row, keys in _step_cases(random.Random(5), 100):
