@@ -286,6 +286,7 @@ class DreamZeroFamily:
         new_blocks: list[list[int]] = [[] for _ in owner.rows] if commit else []
         for r, ids in zip(run, taken):
             new_blocks[r] = ids
+
         def make() -> list[RowLayout]:
             return [self._row(spec, blocks, i, owner.rows[r], new_blocks[r] if commit else [], n, a)
                     for i, r in enumerate(run)]
