@@ -32,6 +32,7 @@ from paged_kv_compile.models.hunyuan_image3 import (
     HunyuanImage3Model,
     hunyuan_steps,
 )
+from paged_kv_compile.ops import reference as _reference_module
 from paged_kv_compile.ops import write_attend as _write_attend_module
 from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.scheduler import DreamZeroSpec
@@ -58,20 +59,23 @@ HY_PROMPTS = {"tiny": ((20, 7), 32), "mid": ((200, 60), 256)}
 
 
 @contextlib.contextmanager
-def bench_settings(threads: int | None = None) -> Iterator[None]:
+def bench_settings(threads: int | None = None, view_runs: bool = True) -> Iterator[None]:
     """No autograd, no host-side value checks in the op, a recompile limit that dense fill levels never hit.
 
     `write_attend.CHECK_VALUES` reads metadata on the host at every call on CPU tensors (a debug aid that
     has no GPU counterpart); it is off while benchmarking and restored afterwards. `threads` sets torch's
-    intra-op threads for the duration (None: leave them).
+    intra-op threads for the duration (None: leave them). `view_runs=False` makes the CPU reference kernel
+    gather and scatter even ascending runs (`ops/reference.py: VIEW_RUNS`): what a fragmented table costs.
     """
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     old_check = _write_attend_module.CHECK_VALUES
+    old_view_runs = _reference_module.VIEW_RUNS
     old_limit = torch._dynamo.config.recompile_limit
     old_grad = torch.is_grad_enabled()
     _write_attend_module.CHECK_VALUES = False
+    _reference_module.VIEW_RUNS = view_runs
     torch._dynamo.config.recompile_limit = 64
     torch.set_grad_enabled(False)
     torch._dynamo.reset()
@@ -82,6 +86,7 @@ def bench_settings(threads: int | None = None) -> Iterator[None]:
         torch.set_grad_enabled(old_grad)
         torch._dynamo.config.recompile_limit = old_limit
         _write_attend_module.CHECK_VALUES = old_check
+        _reference_module.VIEW_RUNS = old_view_runs
         torch.set_num_threads(old_threads)
 
 

@@ -235,32 +235,26 @@ def settle_heap() -> None:
 def run(quick: bool = False, inner: str | None = None, configs: list[str] | None = None,
         repeats: int | None = None, threads: int | None = None, attention_only: bool = False,
         clock: str = "wall", overhead: bool = False, view_runs: bool = True) -> dict:
-    from paged_kv_compile.ops import reference
-
     inner = inner or ("aot_eager" if quick else "inductor")
     configs = configs or (["tiny"] if quick else ["tiny", "mid"])
     t0 = time.perf_counter()
     rows, attention = [], []
-    old_view_runs, reference.VIEW_RUNS = reference.VIEW_RUNS, view_runs
     settle_heap()
-    try:
-        with bench_settings(threads or (1 if quick else None)):
-            machine = machine_info()
-            if inner == "inductor" and not attention_only:
-                warm_inductor()
-            for name in configs:
-                reps, loops = (3, 1) if quick else REPEATS[name]
-                reps = repeats or reps
-                dz, hy = CONFIGS[name]
-                if not attention_only:
-                    torch._dynamo.reset()
-                    rows += bench_dreamzero(name, dz, inner, reps, loops, quick)
-                    torch._dynamo.reset()
-                    rows += bench_hunyuan(name, hy, inner, reps, loops)
-                attention += bench_attention_only(name, dz, hy, reps, loops, quick, clock)
-            extra = {"op_overhead": op_overhead(3 if quick else 20)} if overhead else {}
-    finally:
-        reference.VIEW_RUNS = old_view_runs
+    with bench_settings(threads or (1 if quick else None), view_runs=view_runs):
+        machine = machine_info()
+        if inner == "inductor" and not attention_only:
+            warm_inductor()
+        for name in configs:
+            reps, loops = (3, 1) if quick else REPEATS[name]
+            reps = repeats or reps
+            dz, hy = CONFIGS[name]
+            if not attention_only:
+                torch._dynamo.reset()
+                rows += bench_dreamzero(name, dz, inner, reps, loops, quick)
+                torch._dynamo.reset()
+                rows += bench_hunyuan(name, hy, inner, reps, loops)
+            attention += bench_attention_only(name, dz, hy, reps, loops, quick, clock)
+        extra = {"op_overhead": op_overhead(3 if quick else 20)} if overhead else {}
     return {
         "benchmark": "forward_time",
         "machine": machine,

@@ -50,7 +50,7 @@ class Owner:
     family: str  # the family's registry name
     spec: Any  # the family's spec (e.g. DreamZeroSpec)
     rows: list[list[int]]
-    version: int = 0  # bumped whenever the blocks change: keys the metadata cache
+    version: int = 0  # bumped whenever the blocks or the family's layout records change: keys the caches
     phases_done: set[str] = field(default_factory=set)  # forward kinds that finished (e.g. "prefill")
     state: dict[str, Any] = field(default_factory=dict)  # the family's own per-owner records (e.g. a layout)
     layout_cache: tuple | None = None  # (key, value) of the last repeatable plan's layouts (`reuse_layouts`)
