@@ -23,7 +23,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from paged_kv_compile.backend import paged_kv_backend
-from paged_kv_compile.driver import PagedHooks, dreamzero_runtime_config, hunyuan_runtime_config, hunyuan_spec
+from paged_kv_compile.driver import PagedHooks
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec
 from paged_kv_compile.models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel, dreamzero_steps
 from paged_kv_compile.models.hooks import DenseHooks
 from paged_kv_compile.models.hunyuan_image3 import (
@@ -35,7 +37,6 @@ from paged_kv_compile.models.hunyuan_image3 import (
 from paged_kv_compile.ops import reference as _reference_module
 from paged_kv_compile.ops import write_attend as _write_attend_module
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -227,11 +228,11 @@ class _CacheRecorder:
         self.driver.caches = self.driver.hooks.caches(model, batch, **geometry)
         return self.driver.caches
 
-    def cross_kvs(self, model, cross_kvs):
-        return self.driver.hooks.cross_kvs(model, cross_kvs)
+    def write_once_kv(self, model, cross_kvs):
+        return self.driver.hooks.write_once_kv(model, cross_kvs)
 
-    def window_reset(self) -> None:
-        self.driver.hooks.window_reset()
+    def reset_history(self) -> None:
+        self.driver.hooks.reset_history()
 
 
 class LoopDriver:
@@ -280,7 +281,7 @@ class DreamZeroSession:
         self.runtime = setup.runtime
         self.session_id = session_id
         if self.runtime is not None:
-            self.runtime.open_session(session_id, DreamZeroSpec.from_model_config(cfg), rows=2)
+            self.runtime.admit(session_id, DreamZeroSpec.from_model_config(cfg), rows=2)
             self.hooks = hooks or PagedHooks(self.runtime, session_id)
         else:
             self.hooks = hooks or DenseHooks()
@@ -343,7 +344,7 @@ class DreamZeroSession:
     def close(self) -> None:
         self.caches = []
         if self.runtime is not None:
-            self.runtime.close_session(self.session_id)
+            self.runtime.release(self.session_id)
 
 
 class HunyuanRequestDriver:
@@ -358,7 +359,7 @@ class HunyuanRequestDriver:
         gen = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, cfg.vocab, (n,), generator=gen) for n in prompt_lens]
         if self.runtime is not None:
-            self.runtime.admit_request(request_id, hunyuan_spec(cfg, prompts))
+            self.runtime.admit(request_id, hunyuan_spec(cfg, prompts))
             self.hooks = hooks or PagedHooks(self.runtime, request_id)
         else:
             self.hooks = hooks or DenseHooks()
@@ -401,7 +402,7 @@ class HunyuanRequestDriver:
     def finish(self) -> None:
         self.caches = []
         if self.runtime is not None:
-            self.runtime.finish_request(self.request_id)
+            self.runtime.release(self.request_id)
 
 
 # ---- allocations -----------------------------------------------------------------------------------

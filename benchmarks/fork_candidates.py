@@ -32,12 +32,11 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import DZ_MID, DZ_TINY, bench_settings, interleaved, machine_info, markdown_table, summarize  # noqa: E402
 from paged_kv_compile import families  # noqa: E402
-from paged_kv_compile.driver import dreamzero_runtime_config  # noqa: E402
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config  # noqa: E402
 from paged_kv_compile.families.base import ceil_div  # noqa: E402
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B, DreamZeroConfig, DreamZeroModel  # noqa: E402
 from paged_kv_compile.pool import KVPool  # noqa: E402
 from paged_kv_compile.runtime import PagedKVRuntime  # noqa: E402
-from paged_kv_compile.scheduler import DreamZeroSpec  # noqa: E402
 
 GIB = 2**30
 
@@ -70,7 +69,7 @@ def timing(cfg: DreamZeroConfig, ks: list[int], repeats: int) -> tuple[list[dict
             model(x, a, torch.full((rows,), 500.0), start, caches, [c.repeat(1, len(sessions), 1, 1, 1) for c in cross],
                   update_kv_cache=commit)
 
-    rt.open_session("parent", DreamZeroSpec.from_model_config(cfg), rows=2)
+    rt.admit("parent", DreamZeroSpec.from_model_config(cfg), rows=2)
     chunks = cfg.window_frames // cfg.num_frame_per_block
     for chunk in range(chunks):  # a full window of history
         forward(["parent"], True, chunk * cfg.num_frame_per_block)
@@ -101,7 +100,7 @@ def timing(cfg: DreamZeroConfig, ks: list[int], repeats: int) -> tuple[list[dict
                      "sequential_ms": med(times["sequential"]), "ratio": summarize(ratios, 2)["median"],
                      "ratio_iqr": f"{summarize(ratios, 2)['q1']}-{summarize(ratios, 2)['q3']}"})
     for sid in rt.owner_ids():
-        rt.close_session(sid)
+        rt.release(sid)
     return rows, bytes_row
 
 
@@ -152,7 +151,7 @@ def regions_measured(cfg: DreamZeroConfig = DZ_TINY, ns: tuple[int, ...] = REGIO
             rt = PagedKVRuntime(pcfg)
             free = rt.scheduler.allocator.num_free
             for i in range(n):
-                rt.open_session(f"s{i}", spec, cross_kv=cross, cache_salt=salt(i))
+                rt.admit(f"s{i}", spec, cross_kv=cross, cache_salt=salt(i))
             row[f"{name}_bytes"] = (free - rt.scheduler.allocator.num_free) * KVPool.bytes_per_block_all_layers(pcfg)
             row[f"{name}_writes"] = len({id(r) for i in range(n) for r in rt.regions_of(f"s{i}")})
         out.append(row)

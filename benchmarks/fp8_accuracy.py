@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from benchmarks._common import DZ_MID, DZ_TINY, HY_MID, HY_PROMPTS, HY_TINY, format_table
-from paged_kv_compile.driver import PagedHooks, dreamzero_runtime_config, hunyuan_runtime_config, hunyuan_spec
+from paged_kv_compile.driver import PagedHooks
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.pool import KVPool
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 BF16 = torch.bfloat16
 #: (label, pool dtype, scales): "calibrated" from the dense run, "1.0" vLLM's uncalibrated default.

@@ -52,7 +52,9 @@ from paged_kv_compile.ops.reference import write_kv
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B
 from paged_kv_compile.models.hunyuan_image3 import HUNYUAN_IMAGE3
 from paged_kv_compile.pool import KVPool
-from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec, Scheduler
+from paged_kv_compile.scheduler import Scheduler
+from paged_kv_compile.families.dreamzero import DreamZeroSpec
+from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
 EXIT_UNAVAILABLE = 2
 
@@ -160,10 +162,10 @@ def dreamzero_case(g: DreamZeroGeometry, fill: str, layers: int, block: int, dty
                          action_tokens=A)
     blocks = 2 * -(-W // block)
     pool, sched, builder = _scheduler(layers, blocks, block, g.heads, g.head_dim, C + A, dtype, device)
-    sched.open_session("s", spec, rows=2)
+    sched.admit("s", spec, rows=2)
     for _ in range(commits):
-        sched.finish_forward(sched.plan_dreamzero("s", commit=True))
-    plan = sched.plan_dreamzero("s", commit=False)
+        sched.finish_forward(sched.plan("s", "commit"))
+    plan = sched.plan("s", "denoise")
     meta = builder.build(Bucket(2, C + A, W), plan.rows, plan.key)
     sched.finish_forward(plan)
     h = plan.rows[0].seq_len - C - A  # history tokens visible to this chunk
@@ -205,10 +207,10 @@ def hunyuan_case(g: HunyuanGeometry, phase: str, layers: int, block: int, dtype,
     spec = HunyuanSpec(tuple(g.prompts), T, ((1, 1 + g.image_h * g.image_w),))
     blocks = sum(-(-p // block) for p in g.prompts)
     pool, sched, builder = _scheduler(layers, blocks, block, Hkv, D, T, dtype, device)
-    sched.admit_request("r", spec)
+    sched.admit("r", spec)
     mask = spec.padded_mask(P)
-    sched.finish_forward(sched.plan_hunyuan("r", phase="prefill", prefix_capacity=P, attention_mask=mask))
-    plan = sched.plan_hunyuan("r", phase=phase, prefix_capacity=P, attention_mask=mask if phase == "prefill" else None)
+    sched.finish_forward(sched.plan("r", "prefill", prefix_capacity=P, attention_mask=mask))
+    plan = sched.plan("r", phase, prefix_capacity=P, attention_mask=mask if phase == "prefill" else None)
     tokens = P + T if phase == "prefill" else T
     meta = builder.build(Bucket(R, tokens, P), plan.rows, plan.key)
     sched.finish_forward(plan)

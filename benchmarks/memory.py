@@ -49,11 +49,12 @@ from paged_kv_compile.allocator import BuiltinAllocator
 from paged_kv_compile.config import PagedKVConfig
 from paged_kv_compile.driver import PagedHooks
 from paged_kv_compile.errors import CapacityError, ConfigError
-from paged_kv_compile.families.dreamzero import session_blocks_per_row
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, session_blocks_per_row
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B
 from paged_kv_compile.models.hunyuan_image3 import HUNYUAN_IMAGE3
 from paged_kv_compile.pool import KVPool
-from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec, Scheduler
+from paged_kv_compile.scheduler import Scheduler
+from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
 GiB = 2**30
 #: Prompt lengths (cond, uncond) of the tiny requests; capacity 32, paged block size 4.
@@ -157,13 +158,13 @@ def paged_dreamzero_probe(cfg, dtype, block: int = REAL_BLOCK, *, budget_bytes=N
         sid = f"s{admitted}"
         before = total - sched.allocator.num_free
         try:
-            sched.open_session(sid, spec, rows=2)
+            sched.admit(sid, spec, rows=2)
             for _ in range(commits):
-                plan = sched.plan_dreamzero(sid, commit=True)
+                plan = sched.plan(sid, "commit")
                 inflight = max(inflight, total - sched.allocator.num_free - before)
                 sched.finish_forward(plan)
                 held = max(held, total - sched.allocator.num_free - before)
-                sched.finish_forward(sched.plan_dreamzero(sid, commit=False))  # a denoising forward
+                sched.finish_forward(sched.plan(sid, "denoise"))  # a denoising forward
         except CapacityError:
             break
         admitted += 1
@@ -195,13 +196,13 @@ def paged_hunyuan_probe(cfg, prompts: tuple[int, ...], dtype, block: int = REAL_
     while max_requests is None or admitted < max_requests:
         rid = f"r{admitted}"
         try:
-            sched.admit_request(rid, spec)
+            sched.admit(rid, spec)
         except CapacityError:
             break
         if admitted == 0:
             for phase in ("prefill", "step"):
                 mask = spec.padded_mask(capacity) if phase == "prefill" else None
-                plan = sched.plan_hunyuan(rid, phase=phase, prefix_capacity=capacity, attention_mask=mask)
+                plan = sched.plan(rid, phase, prefix_capacity=capacity, attention_mask=mask)
                 sched.finish_forward(plan)
         admitted += 1
     per_block = 2 * block * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()

@@ -40,7 +40,9 @@ from paged_kv_compile.metadata import MetadataBuilder
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B
 from paged_kv_compile.models.hunyuan_image3 import HUNYUAN_IMAGE3
 from paged_kv_compile.pool import KVPool
-from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec, Scheduler
+from paged_kv_compile.scheduler import Scheduler
+from paged_kv_compile.families.dreamzero import DreamZeroSpec
+from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
 
 def _setup(num_layers, kv_heads, head_dim, block_size, blocks_per_layer, scratch_tokens, device="cpu"):
@@ -144,11 +146,11 @@ def dreamzero(repeats: int, device: str = "cpu") -> list[dict]:
                             2 * 2 * spec.window_tokens // block, spec.tokens_per_forward, device)
     sessions = ("s", "u")
     for sid in sessions:
-        sched.open_session(sid, spec, rows=2)
+        sched.admit(sid, spec, rows=2)
         for _ in range(spec.window_frames // spec.chunk_frames):  # fill the window
-            _forward(sched, builder, lambda: sched.plan_dreamzero(sid, commit=True), True)()
-    commit = [functools.partial(sched.plan_dreamzero, sid, commit=True) for sid in sessions]
-    denoise = [functools.partial(sched.plan_dreamzero, sid, commit=False) for sid in sessions]
+            _forward(sched, builder, lambda: sched.plan(sid, "commit"), True)()
+    commit = [functools.partial(sched.plan, sid, "commit") for sid in sessions]
+    denoise = [functools.partial(sched.plan, sid, "denoise") for sid in sessions]
     return [
         _timed("DreamZero-14B", cfg.num_layers, "commit (new blocks)", sched, builder, _alternating(*commit), False,
                repeats),
@@ -171,9 +173,9 @@ def hunyuan(repeats: int, device: str = "cpu") -> list[dict]:
     # `repeats` times; its plan + finish time is that one plan's.
     rows, plan_us = [], []
     for rid in ("r", "q"):
-        sched.admit_request(rid, spec)
+        sched.admit(rid, spec)
         t0 = time.perf_counter_ns()
-        prefill = sched.plan_hunyuan(rid, phase="prefill", prefix_capacity=prefix, attention_mask=mask)
+        prefill = sched.plan(rid, "prefill", prefix_capacity=prefix, attention_mask=mask)
         plan_us.append((time.perf_counter_ns() - t0) / 1e3)
         if not rows:
             rows = [_timed("HunyuanImage-3", cfg.num_layers, f"prefill: {label}", sched, builder, lambda: prefill,
@@ -181,7 +183,7 @@ def hunyuan(repeats: int, device: str = "cpu") -> list[dict]:
         sched.finish_forward(prefill)
     for row in rows:
         row["plan_finish_median_us"] = round(statistics.median(plan_us), 1)
-    step = [functools.partial(sched.plan_hunyuan, rid, phase="step", prefix_capacity=prefix) for rid in ("r", "q")]
+    step = [functools.partial(sched.plan, rid, "step", prefix_capacity=prefix) for rid in ("r", "q")]
     rows.append(_timed("HunyuanImage-3", cfg.num_layers, "denoising step: build", sched, builder, _alternating(*step),
                        False, repeats))
     rows.append(_timed("HunyuanImage-3", cfg.num_layers, "denoising step: repeat", sched, builder, step[0], False,
@@ -280,11 +282,11 @@ def _mask_read(repeats: int) -> None:
                 rows.append((time.perf_counter_ns() - t0) / 1e6)
             sched, _ = _setup(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, 2 * prefix // block,
                               cfg.target_len)
-            sched.admit_request("r", spec)
-            sched.finish_forward(sched.plan_hunyuan("r", phase="prefill", prefix_capacity=prefix,
-                                                    attention_mask=mask))
+            sched.admit("r", spec)
+            sched.finish_forward(sched.plan("r", "prefill", prefix_capacity=prefix,
+                                            attention_mask=mask))
             t0 = time.perf_counter_ns()
-            sched.plan_hunyuan("r", phase="step", prefix_capacity=prefix, attention_mask=mask[:, :, prefix:])
+            sched.plan("r", "step", prefix_capacity=prefix, attention_mask=mask[:, :, prefix:])
             steps.append((time.perf_counter_ns() - t0) / 1e6)
         print(f"{name}: prefill mask, per row: {summary(rows)}; first step plan (2 rows): {summary(steps)}")
 

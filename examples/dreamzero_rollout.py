@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from paged_kv_compile.driver import dreamzero_runtime_config, paged_dreamzero_rollout
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
 from paged_kv_compile.models import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.runtime import PagedKVRuntime
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     for block in model.blocks:
         block.compile(backend="paged_kv", fullgraph=True, dynamic=False, options={"inner_compiler": INNER_COMPILER})
     start = time.perf_counter()
-    paged = paged_dreamzero_rollout(model, runtime, **steps)
+    paged = paged_run(model, runtime, **steps)
     paged_s = time.perf_counter() - start
 
     diff = max((dense[k] - paged[k]).abs().max().item() for k in ("video", "actions"))

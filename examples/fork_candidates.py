@@ -18,10 +18,9 @@ import time
 import torch
 
 from paged_kv_compile import families
-from paged_kv_compile.driver import dreamzero_runtime_config
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 from paged_kv_compile.models import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 INNER_COMPILER = "aot_eager"
 CFG = DreamZeroConfig(num_layers=2, frame_seqlen=8, num_frame_per_block=1, local_attn_size=4, sink_size=1,
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return [(video[2 * k : 2 * k + 2], act[2 * k : 2 * k + 2]) for k in range(len(sessions))]
 
     with torch.no_grad():
-        runtime.open_session("world", DreamZeroSpec.from_model_config(CFG), rows=2)
+        runtime.admit("world", DreamZeroSpec.from_model_config(CFG), rows=2)
         for chunk in range(3):  # the state the candidates start from: three committed chunks
             forward(["world"], [inputs(chunk)], chunk, commit=True)
         pool_before, free_before = runtime.pool.tensor.clone(), runtime.scheduler.allocator.num_free
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print("candidate scores: " + ", ".join(f"{s:.4f}" for s in scores) + f"; best candidate: {best}")
 
         for sid in runtime.owner_ids():
-            runtime.close_session(sid)
+            runtime.release(sid)
     total = runtime.pool.blocks_per_layer
     print(f"blocks free again: {runtime.scheduler.allocator.num_free} of {total}")
     return 0 if worst <= 1e-5 and taken == 0 and copied == 0 else 1

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from paged_kv_compile import debug
-from paged_kv_compile.driver import dreamzero_runtime_config, paged_dreamzero_rollout
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
 from paged_kv_compile.models import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch._dynamo.reset()  # compilation must happen inside the dump to be dumped
     with debug.dump(out) as dump:  # wrap the first forwards: that is when compilation happens
-        paged_dreamzero_rollout(model, runtime, num_chunks=2, num_inference_steps=1)
+        paged_run(model, runtime, num_chunks=2, num_inference_steps=1)
 
     print(f"{len(dump.files())} files in {out}:")
     for name in dump.files():

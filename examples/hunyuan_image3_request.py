@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from paged_kv_compile.capture import hunyuan_buckets
-from paged_kv_compile.driver import hunyuan_runtime_config, paged_hunyuan_generate
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_buckets, hunyuan_runtime_config
+from paged_kv_compile.driver import paged_run
 from paged_kv_compile.models import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     dense_model = HunyuanImage3Model(cfg, seed=2).to(device)
     worst = 0.0
     for request_id, prompts in requests.items():
-        latents = paged_hunyuan_generate(model, runtime, prompts, request_id=request_id, num_steps=4, seed=5)
+        latents = paged_run(model, runtime, prompts=prompts, owner_id=request_id, num_steps=4, seed=5)
         dense = hunyuan_generate(dense_model, prompts, prefix_capacity=capacity, num_steps=4, seed=5)
         diff = (latents - dense).abs().max().item()
         worst = max(worst, diff)

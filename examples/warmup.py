@@ -16,8 +16,9 @@ import sys
 import torch
 from torch._dynamo.utils import counters
 
-from paged_kv_compile.capture import dreamzero_buckets, warm_up
-from paged_kv_compile.driver import dreamzero_runtime_config, paged_dreamzero_rollout
+from paged_kv_compile.capture import warm_up
+from paged_kv_compile.families.dreamzero import dreamzero_buckets, dreamzero_runtime_config
+from paged_kv_compile.driver import paged_run
 from paged_kv_compile.models import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     addresses = captured.addresses()
     with captured.serving():
         for session in ("robot-a", "robot-b"):
-            out = paged_dreamzero_rollout(model, runtime, session_id=session, num_chunks=6, num_inference_steps=2)
+            out = paged_run(model, runtime, owner_id=session, num_chunks=6, num_inference_steps=2)
             print(f"{session}: {tuple(out['video'].shape)} video latents, {tuple(out['actions'].shape)} actions")
     new = counters["stats"]["unique_graphs"] - compiled
     stable = captured.addresses() == addresses

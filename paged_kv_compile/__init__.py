@@ -22,7 +22,6 @@ from .errors import (
 from . import ops as _ops  # registers torch.ops.paged_kv
 from .pool import KVPool
 from .runtime import PagedKVRuntime
-from .families import DreamZeroSpec, HunyuanSpec
 
 __all__ = [
     "__version__",
@@ -30,8 +29,6 @@ __all__ = [
     "PagedKVConfig",
     "KVPool",
     "PagedKVRuntime",
-    "DreamZeroSpec",
-    "HunyuanSpec",
     "PagedKVError",
     "ConfigError",
     "OpInputError",

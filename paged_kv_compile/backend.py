@@ -148,7 +148,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
         raise ConfigError(
             f"this graph reads a shared region of {result.region_tokens} tokens but the runtime's metadata holds "
             f"{meta.region_width * runtime.pool.block_size}: set region_tokens={result.region_tokens} in the config "
-            "(dreamzero_runtime_config(..., cross_regions=N) sets it)")
+            "(the family's runtime config sets it with cross_regions=N)")
     extras = _shared_extras(runtime, meta, bool(result.region_tokens))
     for site in result.sites:
         views = meta.layers[binding.resolve(example_inputs[site.weight_input])[1]]

@@ -10,14 +10,15 @@ backend can recognize them among a graph's example inputs.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from .errors import BindingError
 
-if TYPE_CHECKING:
-    from .runtime import PagedKVRuntime
+#: the runtime a layer is bound to (`runtime.PagedKVRuntime`); only its `config.num_layers` is read here, so this
+#: module does not import the runtime (which imports it)
+Runtime = Any
 
 #: parameter address -> (runtime, layer index, the bound layer module, the parameter's name in it)
 _layer_of_param: dict[int, tuple[weakref.ref, int, weakref.ref, str]] = {}
@@ -25,7 +26,7 @@ _standin_storages: dict[int, weakref.ref] = {}
 _region_storages: set[int] = set()  # stand-ins of shared write-once regions (a subset of the above)
 
 
-def bind_layers(runtime: "PagedKVRuntime", layers: Sequence[torch.nn.Module]) -> dict[int, int]:
+def bind_layers(runtime: Runtime, layers: Sequence[torch.nn.Module]) -> dict[int, int]:
     """Record each layer's parameters for `runtime`; rejects tied weights and layer-count mismatches."""
     if len(layers) != runtime.config.num_layers:
         raise BindingError(
@@ -58,12 +59,12 @@ def bind_layers(runtime: "PagedKVRuntime", layers: Sequence[torch.nn.Module]) ->
     return {ptr: index for ptr, (index, _) in table.items()}
 
 
-def unbind_runtime(runtime: "PagedKVRuntime") -> None:
+def unbind_runtime(runtime: Runtime) -> None:
     for ptr in [p for p, (ref, *_) in _layer_of_param.items() if ref() is runtime or ref() is None]:
         del _layer_of_param[ptr]
 
 
-def resolve(weight: torch.Tensor) -> tuple["PagedKVRuntime", int]:
+def resolve(weight: torch.Tensor) -> tuple[Runtime, int]:
     """(runtime, layer index) of a bound parameter; a clear error otherwise."""
     entry = _layer_of_param.get(weight.data_ptr())
     runtime = entry[0]() if entry is not None else None
@@ -116,5 +117,5 @@ def is_region_standin(value: object) -> bool:
     return is_standin(value) and value.untyped_storage().data_ptr() in _region_storages
 
 
-def registered_layers(runtime: "PagedKVRuntime") -> Iterable[int]:
+def registered_layers(runtime: Runtime) -> Iterable[int]:
     return sorted({i for ref, i, *_ in _layer_of_param.values() if ref() is runtime})

@@ -86,7 +86,7 @@ def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool
 
     import torch
 
-    from .driver import paged_dreamzero_rollout, paged_hunyuan_generate
+    from .driver import paged_run
     from .families.dreamzero import dreamzero_buckets, dreamzero_runtime_config
     from .families.hunyuan_image3 import hunyuan_buckets, hunyuan_runtime_config
     from .runtime import PagedKVRuntime
@@ -109,8 +109,8 @@ def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool
                                      num_inference_steps=steps, seed=3, hooks=hooks)
 
         def run_paged(make_hooks):
-            return paged_dreamzero_rollout(model, runtime, session_id="demo", make_hooks=make_hooks,
-                                           num_chunks=chunks, num_inference_steps=steps, seed=3)
+            return paged_run(model, runtime, owner_id="demo", make_hooks=make_hooks,
+                             num_chunks=chunks, num_inference_steps=steps, seed=3)
 
         def compare(dense, paged):
             return max((dense[k].float() - paged[k].float()).abs().max().item() for k in ("video", "actions"))
@@ -142,8 +142,8 @@ def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool
                 for p in requests]
 
     def run_paged(make_hooks):
-        return [paged_hunyuan_generate(model, runtime, prompts, request_id=f"request-{i}", make_hooks=make_hooks,
-                                       num_steps=steps, seed=5)
+        return [paged_run(model, runtime, prompts=prompts, owner_id=f"request-{i}", make_hooks=make_hooks,
+                          num_steps=steps, seed=5)
                 for i, prompts in enumerate(requests)]
 
     def compare(dense, paged):

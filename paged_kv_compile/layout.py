@@ -286,7 +286,7 @@ def write_positions_problem(row: RowLayout, key_positions: torch.Tensor | None, 
     token: at a column nobody reads). Any other column would make the dense cache and the paged one differ.
     """
     if key_positions is None:
-        return "the forward's plan has no dense key layout (plan it with the family helper: runtime.hunyuan_forward)"
+        return "the forward's plan has no dense key layout (plan it with runtime.forward(owner_id, kind, ...))"
     columns = columns.reshape(-1).to("cpu", torch.int64)
     if columns.numel() != row.num_tokens:
         return f"{columns.numel()} write positions for {row.num_tokens} new tokens"

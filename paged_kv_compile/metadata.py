@@ -281,7 +281,7 @@ class MetadataBuilder:
                 raise RequestError(
                     f"row {r} reads a shared region of {region.tokens} tokens but the metadata holds "
                     f"{meta.region_width} region blocks per row: set region_tokens >= {region.tokens} in the config "
-                    "(dreamzero_runtime_config(..., cross_regions=N) sets it to the model's cross_len)"
+                    "(the family's runtime config with cross_regions=N sets it to the model's cross-attention length)"
                 )
         # From here the buffers change: until this build completes they describe no plan, so a build that
         # fails half-way can never be skipped as a repeat of the previous key (another request's layout).

@@ -1,8 +1,11 @@
 """PagedKVRuntime: owns the pool, admits and releases work, and brackets every forward.
 
-A forward is ``with runtime.forward(plan): model(...)``: the plan (from the scheduler) is turned into
-the bucket's metadata for all layers in one step, compiled sites read it while the block runs, and on
-exit the forward is committed, or rolled back if the block raised.
+The API is the same for every model family (`families/`): ``runtime.admit(owner_id, spec)``, then per model
+forward ``with runtime.forward(owner_id, kind, **args): model(...)`` (the owner's family plans it: which rows,
+which blocks, what each query sees), ``runtime.reset(owner_id)`` between windows, ``runtime.release(owner_id)``
+or ``runtime.abort(owner_id)`` at the end. A forward's plan is turned into the bucket's metadata for all layers
+in one step, compiled sites read it while the block runs, and on exit the forward is committed, or rolled back
+if the block raised.
 """
 
 from __future__ import annotations
@@ -14,14 +17,13 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import binding
+from typing import Any
+
+from . import binding, families
 from .allocator import make_allocator
 from .config import Bucket, PagedKVConfig
 from .errors import RequestError
-from . import families
 from .families.base import ForwardPlan, Owner
-from .families.dreamzero import DreamZeroSpec
-from .families.hunyuan_image3 import HunyuanSpec, prefix_capacity_for
 from .layout import mask_disagreement, mask_rows
 from .metadata import BucketMetadata, MetadataBuilder
 from .pool import KVPool
@@ -76,7 +78,7 @@ class PagedKVRuntime:
         """A dense-cache-shaped tensor that compiled graphs never read.
 
         The default holds no memory (a zero-stride view). A cache the model writes into in place
-        (HunyuanImage-3's prefix store) cannot be zero-stride: dynamo refuses in-place writes into
+        (a prefix store written at the prefill) cannot be zero-stride: dynamo refuses in-place writes into
         overlapping memory. `writable=True` gives one real buffer per shape, shared by all layers; the
         passes remove the writes, so compiled graphs neither read nor write it.
         """
@@ -92,8 +94,8 @@ class PagedKVRuntime:
         return buf
 
     def region_standin(self, *shape: int) -> torch.Tensor:
-        """A zero-stride stand-in for K/V the model reads from a shared write-once region (DreamZero's
-        `cross_kvs`, `(2, B, tokens, H, D)`): compiled graphs read the forward's regions with `paged_kv::attend`."""
+        """A zero-stride stand-in for K/V the model reads from a shared write-once region (cross-attention K/V,
+        `(2, B, tokens, H, D)`): compiled graphs read the forward's regions with `paged_kv::attend`."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         return self._region_standin_base.expand(*shape)
@@ -122,13 +124,20 @@ class PagedKVRuntime:
             f"{sorted(self.config.buckets)}. Pad the forward to a configured shape or add this bucket"
         )
 
-    def hunyuan_prefix_capacity(self, prefix_lens: Sequence[int], target_len: int) -> int:
-        """The padded prefix capacity a HunyuanImage-3 request should use: the smallest configured one that fits."""
-        return prefix_capacity_for(self.config.buckets, prefix_lens, target_len)
-
     # ---- forwards -----------------------------------------------------------------------------
+    def forward(self, owner_id: str, kind: str, **args: Any) -> contextlib.AbstractContextManager[ActiveForward]:
+        """``with runtime.forward(owner_id, kind, **args): model(...)``: one model forward of an owner, planned by
+        its family (the kinds and their args are the family's: see its module under `families/`), committed when
+        the body returns, rolled back if it raises."""
+        return self.forward_plan(self.scheduler.plan(owner_id, kind, **args))
+
+    def plan(self, owner_id: str, kind: str, **args: Any) -> ForwardPlan:
+        """Plan a forward without running it (it is in flight until `forward_plan(plan)` runs it or
+        `scheduler.abort_forward(plan)` gives it back): for callers that inspect the plan first."""
+        return self.scheduler.plan(owner_id, kind, **args)
+
     @contextlib.contextmanager
-    def forward(self, plan: ForwardPlan) -> Iterator[ActiveForward]:
+    def forward_plan(self, plan: ForwardPlan) -> Iterator[ActiveForward]:
         """Build the plan's metadata once, run the body with it active, then commit or roll back."""
         # Refusals that concern another forward come first and roll nothing back: the plan in flight
         # belongs to the active forward (nesting), or this plan was already finished/aborted (stale; its
@@ -191,27 +200,11 @@ class PagedKVRuntime:
         finally:
             self.active = None
 
-    def forward_for(self, owner_id: str, kind: str, **info) -> contextlib.AbstractContextManager:
-        """`forward(plan)` for a forward of `kind` that the owner's family plans (info: e.g. prefix_capacity)."""
-        return self.forward(self.scheduler.plan(owner_id, kind, **info))
-
-    def forward_batch(self, items: Sequence[tuple]) -> contextlib.AbstractContextManager:
+    def forward_batch(self, items: Sequence[tuple]) -> contextlib.AbstractContextManager[ActiveForward]:
         """One forward over the rows of several owners at the same phase, in item order (`Scheduler.plan_batch`:
-        items are (owner_id, kind) or (owner_id, kind, info)); metadata is built once for all of them, and a
+        items are (owner_id, kind) or (owner_id, kind, args)); metadata is built once for all of them, and a
         failure rolls back every owner."""
-        return self.forward(self.scheduler.plan_batch(items))
-
-    def dreamzero_forward(self, session_id: str, *, commit: bool,
-                          branch: int | None = None) -> contextlib.AbstractContextManager:
-        """A commit or denoising forward of the session; `branch`: one CFG row alone, as a batch-1 forward."""
-        return self.forward(self.scheduler.plan_dreamzero(session_id, commit=commit, branch=branch))
-
-    def hunyuan_forward(self, request_id: str, *, phase: str, prefix_capacity: int,
-                        attention_mask: torch.Tensor | None = None) -> contextlib.AbstractContextManager:
-        """A HunyuanImage-3 forward; the prefill needs the model's `attention_mask` (each row's layout is read
-        from it once per request); a step's mask is optional and checked once per request."""
-        return self.forward(self.scheduler.plan_hunyuan(request_id, phase=phase, prefix_capacity=prefix_capacity,
-                                                        attention_mask=attention_mask))
+        return self.forward_plan(self.scheduler.plan_batch(items))
 
     def record_layers(self, layers) -> None:
         """Layers whose compiled site served the active forward (checked when it keeps its K/V)."""
@@ -221,7 +214,7 @@ class PagedKVRuntime:
         if self.active is None:
             raise RequestError(
                 "a paged attention site ran outside a forward: wrap the model call in "
-                "`with runtime.forward(plan):` (or a family helper such as runtime.dreamzero_forward)"
+                "`with runtime.forward(owner_id, kind, ...):`"
             )
         return self.active
 
@@ -234,24 +227,27 @@ class PagedKVRuntime:
                 have = "no shared region" if region is None else f"a region of {region.tokens} tokens"
                 raise RequestError(
                     f"a compiled cross-attention site reads a {tokens}-token shared region (its K/V came in as a region "
-                    f"stand-in) but row {r} of this {plan.kind} forward ({plan.owner_id!r}) holds {have}: open the "
-                    "session with open_session(..., cross_kv=model.prepare_cross_kv(...)), or pass the dense cross K/V"
+                    f"stand-in) but row {r} of this {plan.kind} forward ({plan.owner_id!r}) holds {have}: admit the "
+                    "owner with runtime.admit(..., cross_kv=model.prepare_cross_kv(...)), or pass the dense cross K/V"
                 )
 
     def check_layout(self, expect: families.Expectation | None) -> None:
-        """A compiled site's idiom must agree with the active forward's owner (window, sink, prefix)."""
+        """A compiled site's idiom must be one the active forward's owner's family accepts, and agree with the
+        owner (window, sink, prefix)."""
         if expect is None:
             return
         for plan in self.require_active().plan.owner_plans():
             owner = self.owner(plan.owner_id)
             if owner is None:
                 continue
-            if expect.family != owner.family:
+            family = families.get(owner.family)
+            if not families.accepts(family, expect):
                 raise RequestError(
-                    f"a {expect.family} attention site ran inside a {owner.family} forward ({plan.owner_id!r}); "
-                    "plan the forward with the matching family helper"
+                    f"a {expect.idiom!r} attention site ran inside a {owner.family} forward ({plan.owner_id!r}), "
+                    f"whose family accepts the idioms {[i.name for i in family.idioms]}: run this model's owners, "
+                    "or compile the model this owner belongs to"
                 )
-            families.get(owner.family).check_expectation(expect, owner, plan)
+            family.check_expectation(expect, owner, plan)
 
     def check_dense_mask(self, mask: torch.Tensor) -> None:
         """Debug: the model's dense mask must allow exactly what the runtime's layout makes visible.
@@ -278,12 +274,14 @@ class PagedKVRuntime:
                 )
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def admit(self, owner_id: str, spec, rows: int | None = None, *, cross_kv: Sequence[torch.Tensor] | None = None,
-              cache_salt: str | bytes | None = None, content_keys: Sequence[str | bytes] | None = None) -> None:
-        """Admit a session/request of any family (rows: CFG rows; default: what the family says).
+    def admit(self, owner_id: str, spec: Any, rows: int | None = None, *,
+              cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
+              content_keys: Sequence[str | bytes] | None = None) -> None:
+        """Admit a session/request of `spec`'s family (rows: CFG rows; default: what the family says), all rows
+        or none.
 
-        cross_kv: per layer `(2, rows, tokens, Hkv, D)` write-once K/V (DreamZero's cross-attention, e.g.
-        `model.prepare_cross_kv(...)`), kept in the pool as one shared region per row: sessions of the same
+        cross_kv: per layer `(2, rows, tokens, Hkv, D)` write-once K/V (e.g. a model's cross-attention K/V,
+        computed once per session), kept in the pool as one shared region per row: owners of the same
         `cache_salt` (tenant/user id) with the same content share its blocks by reference count; content is
         keyed by `content_keys` (one per row, e.g. a hash of the prompt's token ids) or by the K/V bytes, and
         confirmed byte for byte before anything is shared (`regions.py`).
@@ -291,36 +289,27 @@ class PagedKVRuntime:
         self.scheduler.admit(owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt,
                              content_keys=content_keys)
 
-    def open_session(self, session_id: str, spec: DreamZeroSpec, rows: int = 2, *,
-                     cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
-                     content_keys: Sequence[str | bytes] | None = None) -> None:
-        """A DreamZero session of `rows` CFG rows; with `cross_kv` its cross-attention K/V lives in shared
-        write-once regions of the pool (see `admit`)."""
-        self.scheduler.open_session(session_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt,
-                                    content_keys=content_keys)
+    def reset(self, owner_id: str) -> None:
+        """Drop an owner's history (e.g. a window reset): its blocks return to the pool, its shared
+        regions stay, and it stays admitted."""
+        self.scheduler.reset(owner_id)
 
-    def reset_window(self, session_id: str) -> None:
-        self.scheduler.reset_window(session_id)
-
-    def close_session(self, session_id: str) -> None:
-        self.scheduler.close_session(session_id)
+    def release(self, owner_id: str) -> None:
+        """End a session/request normally: every block it alone holds returns to the pool; the id is used up."""
+        self.scheduler.release(owner_id)
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """A zero-copy fork of a DreamZero session at a chunk boundary: the child shares every history block
-        (reference counts), so no KV is copied; its next commits go to its own blocks (`Scheduler.fork`)."""
+        """A zero-copy fork of an owner between forwards, where its family allows it (`Family.fork_state`, e.g.
+        at a chunk boundary): the child shares every history block by reference count, so no KV is copied; its next commits
+        go to its own blocks (`Scheduler.fork`)."""
         if self.active is not None:
             raise RequestError(
                 f"cannot fork {parent_id!r} while a forward is active; fork between forwards (after the with block)"
             )
         self.scheduler.fork(parent_id, child_id)
 
-    def admit_request(self, request_id: str, spec: HunyuanSpec) -> None:
-        self.scheduler.admit_request(request_id, spec)
-
-    def finish_request(self, request_id: str) -> None:
-        self.scheduler.finish_request(request_id)
-
     def abort(self, owner_id: str) -> None:
+        """End a session/request at any point between forwards: every block it alone holds returns to the pool."""
         self.scheduler.abort(owner_id)
 
     def close(self) -> None:

@@ -19,13 +19,11 @@ from . import families
 from .allocator import BlockAllocator
 from .errors import CapacityError, ConfigError, RequestError
 from .families.base import ForwardPlan, Owner
-from .families.dreamzero import DreamZeroSpec
-from .families.hunyuan_image3 import HunyuanSpec
 from .layout import RowLayout
 from .pool import KVPool
 from .regions import Region, SharedRegions
 
-__all__ = ["Scheduler", "ForwardPlan", "Owner", "DreamZeroSpec", "HunyuanSpec"]
+__all__ = ["Scheduler", "ForwardPlan", "Owner"]
 
 
 def row_written_blocks(row: RowLayout, block_size: int) -> list[int]:
@@ -161,14 +159,12 @@ class Scheduler:
                 "(max_rows; with CFG-parallel each rank holds one branch): raise max_rows or split the rows"
             )
 
-    def _get(self, owner_id: str, family: str | None = None) -> Owner:
+    def _get(self, owner_id: str) -> Owner:
         owner = self.owners.get(owner_id)
         if owner is None:
             if owner_id in self.finished:
-                raise RequestError(f"id {owner_id!r} is {self.finished[owner_id]}; open/admit a new one to continue")
-            raise RequestError(f"unknown id {owner_id!r}; open a session or admit a request first")
-        if family is not None and owner.family != family:
-            raise RequestError(f"id {owner_id!r} is a {owner.family} {self.noun(owner)}, not a {family} one")
+                raise RequestError(f"id {owner_id!r} is {self.finished[owner_id]}; admit a new one to continue")
+            raise RequestError(f"unknown id {owner_id!r}; admit it first (runtime.admit)")
         return owner
 
     @staticmethod
@@ -192,14 +188,26 @@ class Scheduler:
         while len(self.finished) > self.FINISHED_MEMORY:
             self.finished.popitem(last=False)
 
+    def _lru_victim(self, family, *, sparing: str | None = None, room_for: int = 1) -> Owner | None:
+        """The least recently used live owner of `family` to evict so that `room_for` more fit under max_sessions
+        (None when they fit, or the family is not LRU-evicted); `sparing` is never chosen (a fork's parent)."""
+        if not family.evict_lru or self.max_sessions is None:
+            return None
+        live = [o for o in self.owners.values() if o.family == family.name and o.owner_id != sparing]
+        if len(live) + room_for + (sparing is not None) <= self.max_sessions:
+            return None
+        if not live:
+            what = f"a fork of {sparing!r}" if sparing is not None else f"a {family.noun}"
+            raise RequestError(f"max_sessions={self.max_sessions} leaves no room for {what}; raise it")
+        return live[0]
+
     # ---- lifecycle ------------------------------------------------------------------------------
-    def admit(self, owner_id: str, spec: Any, rows: int | None = None, *, family: str | None = None,
-              cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
+    def admit(self, owner_id: str, spec: Any, rows: int | None = None, *, cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
               content_keys: Sequence[str | bytes] | None = None) -> None:
         """Admit a session/request of `spec`'s family with `rows` rows (default: what the spec says).
 
         All rows or none; past `max_sessions` live owners of an LRU-evicting family, the least recently
-        used one is evicted first. `cross_kv` (per layer `(2, rows, tokens, Hkv, D)`, e.g. DreamZero's
+        used one is evicted first. `cross_kv` (per layer `(2, rows, tokens, Hkv, D)`, e.g. a model's
         cross-attention K/V) becomes one shared write-once region per row (`regions.py`): a live region of the
         same `cache_salt` with the same content (`content_keys[row]` if given, else the bytes; the bytes are
         always compared before sharing) is shared by reference count, else the row's K/V is written once into
@@ -207,8 +215,6 @@ class Scheduler:
         """
         self._check_idle()
         fam = families.for_spec(spec)
-        if family is not None and fam.name != family:
-            raise RequestError(f"a {type(spec).__name__} describes a {fam.name} {fam.noun}, not a {family} one")
         self._check_new_id(owner_id)
         rows = fam.rows(spec, rows)
         self._check_rows(rows)
@@ -219,11 +225,7 @@ class Scheduler:
             requests = None
         else:
             requests = self.regions.requests(self.pool, cross_kv, rows, cache_salt, content_keys)
-        victim = None
-        if fam.evict_lru and self.max_sessions is not None:
-            live = [o for o in self.owners.values() if o.family == fam.name]
-            if len(live) >= self.max_sessions:
-                victim = live[0]
+        victim = self._lru_victim(fam)
         if requests is None:
             if victim is not None:
                 self._release(victim, "evicted (LRU cap on live sessions)")
@@ -241,7 +243,7 @@ class Scheduler:
                 + (" even after evicting the least recently used session" if victim is not None else "")
                 + (f"; the whole pool has {self.allocator.num_blocks}: it can never fit" if never else
                    "; retry after other sessions close")
-                + ", or raise the pool budget (dreamzero_runtime_config(..., cross_regions=N) makes room for N regions)")
+                + ", or raise the pool budget (the family's runtime config sizes room for N regions: cross_regions=N)")
         if victim is not None:
             self._release(victim, "evicted (LRU cap on live sessions)")
         taken = self.allocate_rows(need)
@@ -262,56 +264,43 @@ class Scheduler:
                 mine[b] = mine.get(b, 0) + 1
         return sum(1 for b, n in mine.items() if self.allocator.refcount(b) == n)
 
-    def drop_history(self, owner_id: str, *, family: str | None = None) -> None:
-        """Free every block of an owner; it stays admitted (a DreamZero window reset)."""
+    def reset(self, owner_id: str) -> None:
+        """Free every block of an owner's history; it stays admitted (e.g. a window reset)."""
         self._check_idle()
-        owner = self._get(owner_id, family)
+        owner = self._get(owner_id)
         for row in owner.rows:
             self.free(row)
         owner.rows = [[] for _ in owner.rows]
         owner.version += 1
         self.sharing.discard(owner_id)
-        dropped = getattr(families.get(owner.family), "history_dropped", None)
-        if dropped is not None:
-            dropped(owner)
+        families.get(owner.family).history_dropped(owner)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """A new owner `child_id` that shares every block of `parent_id` by reference count (no KV is copied).
 
-        Between forwards only, and only where the parent's family allows it now (`fork_state`: a DreamZero
+        Between forwards only, and only where the parent's family allows it now (`Family.fork_state`, e.g. a
         session at a chunk boundary). Parent and child then go their own ways: each next commit writes
         blocks its owner takes for itself, and a block returns to the pool when its last holder frees it.
         """
         self._check_idle()
         parent = self._get(parent_id)
         fam = families.get(parent.family)
-        fork_state = getattr(fam, "fork_state", None)
-        if fork_state is None:
-            raise RequestError(
-                f"{parent_id!r} is a {parent.family} {fam.noun}, which cannot be forked; forks are for families "
-                "that implement fork_state (DreamZero sessions)"
-            )
-        state = fork_state(parent, self)
+        state = fam.fork_state(parent, self)
         self._check_new_id(child_id)
         shared = [b for row in parent.rows for b in row]
-        if fam.evict_lru and self.max_sessions is not None:
-            live = [o for o in self.owners.values() if o.family == fam.name and o.owner_id != parent_id]
-            if len(live) + 1 >= self.max_sessions:
-                if not live:
-                    raise RequestError(
-                        f"max_sessions={self.max_sessions} leaves no room for a fork of {parent_id!r}; raise it"
-                    )
-                self._release(live[0], "evicted (LRU cap on live sessions)")
+        victim = self._lru_victim(fam, sparing=parent_id)
+        if victim is not None:
+            self._release(victim, "evicted (LRU cap on live sessions)")
         self.allocator.share(shared)
         self.regions.fork(parent_id, child_id, self.allocator)
         self.sharing.update((parent_id, child_id))
         self.owners[child_id] = Owner(child_id, parent.family, parent.spec, [list(r) for r in parent.rows],
                                       phases_done=set(parent.phases_done), state=state)
 
-    def release(self, owner_id: str, why: str, *, family: str | None = None) -> None:
-        """End a session/request normally (`why`: "closed", "finished"); all its blocks are freed."""
+    def release(self, owner_id: str) -> None:
+        """End a session/request normally; all its blocks are freed."""
         self._check_idle()
-        self._release(self._get(owner_id, family), why)
+        self._release(self._get(owner_id), "released")
 
     def abort(self, owner_id: str) -> None:
         """Abort a request or session at any point between forwards: all its blocks are freed."""
@@ -319,11 +308,11 @@ class Scheduler:
         self._release(self._get(owner_id), "aborted")
 
     # ---- forwards -------------------------------------------------------------------------------
-    def plan(self, owner_id: str, kind: str, *, family: str | None = None, **info: Any) -> ForwardPlan:
+    def plan(self, owner_id: str, kind: str, **args: Any) -> ForwardPlan:
         """Plan one forward of `kind` for an owner; its family lays out the rows. It is then in flight."""
         self._check_idle()
-        owner = self._get(owner_id, family)
-        plan = families.get(owner.family).plan(owner, self, kind, **info)
+        owner = self._get(owner_id)
+        plan = families.get(owner.family).plan(owner, self, kind, **args)
         if owner_id in self.sharing or self.regions.blocks:  # 10-20 us per row on the host: only where blocks are shared
             try:
                 self._check_writes(plan)
@@ -461,28 +450,3 @@ class Scheduler:
         """The shared write-once regions a live owner holds, one per row ([] if it brought none)."""
         self._get(owner_id)
         return self.regions.of(owner_id)
-
-    # ---- family-named shortcuts (the API the README and benchmarks use) -----------------------
-    def open_session(self, session_id: str, spec: DreamZeroSpec, rows: int = 2, **regions: Any) -> None:
-        """regions: `cross_kv`, `cache_salt`, `content_keys` (see `admit`)."""
-        self.admit(session_id, spec, rows, family="dreamzero", **regions)
-
-    def reset_window(self, session_id: str) -> None:
-        self.drop_history(session_id, family="dreamzero")
-
-    def close_session(self, session_id: str) -> None:
-        self.release(session_id, "closed", family="dreamzero")
-
-    def plan_dreamzero(self, session_id: str, *, commit: bool, branch: int | None = None) -> ForwardPlan:
-        return self.plan(session_id, "commit" if commit else "denoise", family="dreamzero", branch=branch)
-
-    def admit_request(self, request_id: str, spec: HunyuanSpec) -> None:
-        self.admit(request_id, spec, family="hunyuan_image3")
-
-    def plan_hunyuan(self, request_id: str, *, phase: str, prefix_capacity: int,
-                     attention_mask: torch.Tensor | None = None) -> ForwardPlan:
-        return self.plan(request_id, phase, family="hunyuan_image3", prefix_capacity=prefix_capacity,
-                         attention_mask=attention_mask)
-
-    def finish_request(self, request_id: str) -> None:
-        self.release(request_id, "finished", family="hunyuan_image3")

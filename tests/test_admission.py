@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from paged_kv_compile import CapacityError, RequestError
 from paged_kv_compile.allocator import BuiltinAllocator
-from paged_kv_compile.families.dreamzero import session_blocks_per_row
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, session_blocks_per_row
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B
 from paged_kv_compile.pool import KVPool
-from paged_kv_compile.scheduler import DreamZeroSpec, Scheduler
+from paged_kv_compile.scheduler import Scheduler
 
 
 def meta_scheduler(spec: DreamZeroSpec, block: int, blocks_per_layer: int, rows: int = 2) -> Scheduler:
@@ -32,15 +32,15 @@ def drive_loop(sched: Scheduler, sid: str, spec: DreamZeroSpec, chunks: int) -> 
     peak, start, previous = 0, 0, None
     for _ in range(chunks):
         if previous is not None:
-            plan = sched.plan_dreamzero(sid, commit=True)
+            plan = sched.plan(sid, "commit")
             peak = max(peak, used())
             sched.finish_forward(plan)
         frames = spec.first_commit_frames if start == 0 and spec.first_commit_frames else spec.chunk_frames
-        sched.finish_forward(sched.plan_dreamzero(sid, commit=False))
+        sched.finish_forward(sched.plan(sid, "denoise"))
         peak = max(peak, used())
         previous, start = frames, start + frames
         if spec.reset_frames is not None and start >= spec.reset_frames:
-            sched.reset_window(sid)
+            sched.reset(sid)
             start, previous = 0, None
     return peak
 
@@ -76,10 +76,10 @@ def test_session_runs_every_phase_in_a_pool_of_exactly_its_need(spec, block):
     """Admission's figure is the loop's real peak: reached, never exceeded, and one block less is refused."""
     need = 2 * session_blocks_per_row(spec, block)
     sched = meta_scheduler(spec, block, need)
-    sched.open_session("s", spec, rows=2)
+    sched.admit("s", spec, rows=2)
     assert drive_loop(sched, "s", spec, loop_chunks(spec)) == need
     with pytest.raises(CapacityError, match=f"needs {need} blocks per layer .* whole pool has {need - 1}: it can never"):
-        meta_scheduler(spec, block, need - 1).open_session("s", spec, rows=2)
+        meta_scheduler(spec, block, need - 1).admit("s", spec, rows=2)
 
 
 @settings(max_examples=60, deadline=None)
@@ -92,7 +92,7 @@ def test_admission_need_is_the_loop_peak_for_any_geometry(frame_blocks, block, c
                          first_commit_frames=first, reset_frames=reset)
     need = rows * session_blocks_per_row(spec, block)
     sched = meta_scheduler(spec, block, max(need, 1), rows)
-    sched.open_session("s", spec, rows=rows)
+    sched.admit("s", spec, rows=rows)
     assert drive_loop(sched, "s", spec, loop_chunks(spec)) == need
 
 
@@ -100,12 +100,12 @@ def test_a_commit_past_the_reset_frame_is_refused_without_change():
     """A loop that does not reset where its spec says would hold more than admission sized it for."""
     spec = SPECS["reset before the window fills"]  # commits frames [0, 2), [2, 4); the chunk at 4 ends at the reset
     sched = meta_scheduler(spec, 4, 64)
-    sched.open_session("s", spec, rows=2)
+    sched.admit("s", spec, rows=2)
     for _ in range(2):
-        sched.finish_forward(sched.plan_dreamzero("s", commit=True))
+        sched.finish_forward(sched.plan("s", "commit"))
     before = (sched.owned_blocks(), sched.allocator.num_free, sched.in_flight)
     with pytest.raises(RequestError, match="beyond the 4 its admission sized it for: .* resets the window at frame 6"):
-        sched.plan_dreamzero("s", commit=True)
+        sched.plan("s", "commit")
     assert (sched.owned_blocks(), sched.allocator.num_free, sched.in_flight) == before
-    sched.reset_window("s")
-    sched.finish_forward(sched.plan_dreamzero("s", commit=True))  # after the reset it commits again
+    sched.reset("s")
+    sched.finish_forward(sched.plan("s", "commit"))  # after the reset it commits again

@@ -12,12 +12,9 @@ from helpers import CountingBackend, compile_blocks, host_syncs
 
 from paged_kv_compile import RequestError
 from paged_kv_compile.config import Bucket
-from paged_kv_compile.driver import (
-    dreamzero_runtime_config,
-    hunyuan_runtime_config,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
-)
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
@@ -39,7 +36,7 @@ def _dreamzero_pair(cfg: DreamZeroConfig, inner: str, num_chunks: int, steps: in
     runtime.bind(model.blocks)
     backend = CountingBackend({"inner_compiler": inner})
     compile_blocks(model.blocks, backend)
-    paged = paged_dreamzero_rollout(model, runtime, num_chunks=num_chunks, num_inference_steps=steps, seed=3)
+    paged = paged_run(model, runtime, num_chunks=num_chunks, num_inference_steps=steps, seed=3)
     return dense, paged, runtime, backend
 
 
@@ -86,12 +83,12 @@ def test_hunyuan_requests_parity(inner):
     backend = CountingBackend({"inner_compiler": inner})
     compile_blocks(model.layers, backend)
     for i, (prompts, want) in enumerate(zip(requests, dense)):
-        got = paged_hunyuan_generate(model, runtime, prompts, request_id=f"r{i}", num_steps=4, seed=5)
+        got = paged_run(model, runtime, prompts=prompts, owner_id=f"r{i}", num_steps=4, seed=5)
         assert (got - want).abs().max().item() <= ATOL
     # prefill and step buckets, for 1 and 2 rows: one frame each, shared by all layers.
     assert backend.frames == 4
     patterns = sorted(r.pattern for res in backend.results for r in res.reports)
-    assert patterns == ["hunyuan-prefill"] * 2 + ["hunyuan-prefix-step"] * 2
+    assert patterns == ["prefill-store"] * 2 + ["prefix-step"] * 2
     for res in backend.results:
         assert all(r.status == "rewritten" for r in res.reports)
         assert not host_syncs(res.graph_module)
@@ -105,7 +102,7 @@ def _hunyuan_with_mask_check(monkeypatch=None):
     runtime = PagedKVRuntime(hunyuan_runtime_config(cfg, max_prefix=8, block_size=4, kernel="reference"))
     runtime.bind(model.layers)
     compile_blocks(model.layers, CountingBackend({"inner_compiler": "aot_eager", "check_mask": True}))
-    return paged_hunyuan_generate(model, runtime, prompts, prefix_capacity=8, num_steps=2), runtime
+    return paged_run(model, runtime, prompts=prompts, prefix_capacity=8, num_steps=2), runtime
 
 
 def test_hunyuan_mask_check_accepts_the_models_mask():
@@ -138,7 +135,7 @@ def test_hunyuan_whole_model_compile_parity():
     runtime.bind(model.layers)
     backend = CountingBackend({"inner_compiler": "aot_eager"})
     model.compile(backend=backend, fullgraph=True, dynamic=False)
-    got = paged_hunyuan_generate(model, runtime, prompts, prefix_capacity=10, num_steps=3, seed=1)
+    got = paged_run(model, runtime, prompts=prompts, prefix_capacity=10, num_steps=3, seed=1)
     assert (got - dense).abs().max().item() <= ATOL
     assert backend.frames == 2  # prefill and step
     for res in backend.results:

@@ -13,10 +13,9 @@ from helpers import CountingBackend, compile_blocks, raises_paged
 
 from paged_kv_compile import ConfigError, PassError
 from paged_kv_compile.backend import record_passes
-from paged_kv_compile.driver import dreamzero_runtime_config
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -63,7 +62,7 @@ def _dreamzero_block_setup(inner: str, **cfg_kw):
     model = DreamZeroModel(cfg, seed=0)
     rt = PagedKVRuntime(dreamzero_runtime_config(cfg, block_size=8, kernel="reference"))
     rt.bind(model.blocks)
-    rt.open_session("s", DreamZeroSpec.from_model_config(cfg), rows=2)
+    rt.admit("s", DreamZeroSpec.from_model_config(cfg), rows=2)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, cfg.tokens_per_forward, cfg.dim, generator=g)
     e = torch.randn(2, 6, cfg.dim, generator=g) * 0.1
@@ -81,7 +80,7 @@ def test_inductor_passes_the_pool_straight_to_the_op():
     block = model.blocks[0]
     block.compile(backend="paged_kv", fullgraph=True, dynamic=False, options={"inner_compiler": "inductor"})
     pool_before = rt.pool.tensor.clone()
-    with torch.no_grad(), rt.dreamzero_forward("s", commit=False):
+    with torch.no_grad(), rt.forward("s", "denoise"):
         _, codes = run_and_get_code(block, *args)
     code = "\n".join(codes)
     assert "paged_kv.write_attend" in code
@@ -93,7 +92,7 @@ def test_dynamic_shapes_are_refused_with_the_fix():
     cfg, model, rt, args = _dreamzero_block_setup("aot_eager")
     block = model.blocks[0]
     block.compile(backend="paged_kv", fullgraph=True, dynamic=True, options={"inner_compiler": "aot_eager"})
-    with raises_paged(PassError, "dynamic=False"), torch.no_grad(), rt.dreamzero_forward("s", commit=False):
+    with raises_paged(PassError, "dynamic=False"), torch.no_grad(), rt.forward("s", "denoise"):
         block(*args)
 
 
@@ -101,18 +100,18 @@ def test_unknown_option_is_a_config_error():
     cfg, model, rt, args = _dreamzero_block_setup("aot_eager")
     block = model.blocks[0]
     block.compile(backend="paged_kv", fullgraph=True, dynamic=False, options={"inner": "eager"})
-    with raises_paged(ConfigError, "unknown paged_kv option"), torch.no_grad(), rt.dreamzero_forward("s", commit=False):
+    with raises_paged(ConfigError, "unknown paged_kv option"), torch.no_grad(), rt.forward("s", "denoise"):
         block(*args)
 
 
 def test_pass_report_lists_every_site():
     cfg, model, rt, args = _dreamzero_block_setup("aot_eager")
     compile_blocks(model.blocks, CountingBackend({"inner_compiler": "aot_eager"}))
-    with record_passes() as passes, torch.no_grad(), rt.dreamzero_forward("s", commit=True):
+    with record_passes() as passes, torch.no_grad(), rt.forward("s", "commit"):
         for block in model.blocks:
             block(*args)
     (result,) = passes
     by_status = {r.status: r for r in result.reports}
-    assert by_status["rewritten"].pattern == "dreamzero-window"
+    assert by_status["rewritten"].pattern == "window"
     assert "qkv" in by_status["rewritten"].layer_key
     assert by_status["dense"].reason.startswith("reads no cache stand-in"), "cross-attention stays model-owned"

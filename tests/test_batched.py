@@ -16,7 +16,7 @@ from paged_kv_compile import PagedKVConfig, RequestError, families
 from paged_kv_compile.config import Bucket
 from paged_kv_compile.families.dreamzero import DreamZeroSpec
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import HunyuanSpec
+from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
 INVARIANCE_TOL = 1e-6
 
@@ -50,7 +50,7 @@ def test_batched_forked_candidates_equal_their_forwards_alone():
     same forwards run one child at a time (two sets of children from the same parent state)."""
     K = 4
     model, _, rt = make_model_rig(rows_per_forward=2 * K, sessions=2 * K + 1)
-    rt.open_session("p", SPEC)
+    rt.admit("p", SPEC)
     for chunk in range(3):
         alone_call(rt, model, "p", chunk_inputs(chunk), chunk, commit=True)
     for k in range(K):
@@ -78,7 +78,7 @@ def test_batched_forked_candidates_equal_their_forwards_alone():
 def test_batched_forward_failure_rolls_back_every_owner():
     rt = make_dz_runtime(sessions=4, max_rows=6)
     for sid in ("a", "b"):
-        rt.open_session(sid, SPEC)
+        rt.admit(sid, SPEC)
         commit_empty(rt, sid, 2)
     rt.fork("a", "a2")
     before = rt.state()
@@ -98,9 +98,9 @@ def test_batched_forward_failure_rolls_back_every_owner():
 def test_batched_refusals_change_nothing():
     rt = make_dz_runtime(sessions=4, max_rows=4)
     for sid in ("a", "b", "c"):
-        rt.open_session(sid, SPEC)
+        rt.admit(sid, SPEC)
     commit_empty(rt, "a", 1)
-    rt.admit_request("h", HunyuanSpec((4,), 2))
+    rt.admit("h", HunyuanSpec((4,), 2))
     cases = [
         ([], "needs at least one"),
         ([("a", "commit"), ("a", "commit")], r"\['a'\] appear more than once"),
@@ -125,9 +125,9 @@ def test_batched_owners_must_share_the_phase_geometry():
                          commit_action_tokens=0)
     rt = PagedKVRuntime(PagedKVConfig(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, blocks_per_layer=32,
                                       max_rows=4, scratch_tokens_per_row=omni.tokens_per_forward))
-    rt.open_session("old", omni)
+    rt.admit("old", omni)
     commit_empty(rt, "old", 1)
-    rt.open_session("new", omni)
+    rt.admit("new", omni)
     before = rt.state()
     with pytest.raises(RequestError, match="'old': 8 tokens over 20, 'new': 4 tokens over 20"):
         rt.forward_batch([("old", "commit"), ("new", "commit")])
@@ -159,13 +159,13 @@ def test_batched_hunyuan_requests_equal_their_forwards_alone():
     alone_rt, batch_rt = _hunyuan_rt(), _hunyuan_rt()
     for rt in (alone_rt, batch_rt):
         for rid, spec in specs.items():
-            rt.admit_request(rid, spec)
+            rt.admit(rid, spec)
     worst = 0.0
     for s, phase in enumerate(["prefill", "step", "step"]):
         alone = {}
         for rid, spec in specs.items():
             mask = spec.padded_mask(capacity) if phase == "prefill" else None
-            with alone_rt.hunyuan_forward(rid, phase=phase, prefix_capacity=capacity, attention_mask=mask) as active:
+            with alone_rt.forward(rid, phase, prefix_capacity=capacity, attention_mask=mask) as active:
                 alone[rid] = _run_op(alone_rt, active, inputs[(rid, phase, s)])
         items = [(rid, phase, {"prefix_capacity": capacity,
                                "attention_mask": spec.padded_mask(capacity) if phase == "prefill" else None})
@@ -178,17 +178,17 @@ def test_batched_hunyuan_requests_equal_their_forwards_alone():
     assert worst <= INVARIANCE_TOL, worst
     for rt in (alone_rt, batch_rt):
         for rid in specs:
-            rt.finish_request(rid)
+            rt.release(rid)
         assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
 
 
 def test_batched_forward_checks_every_owner_against_the_compiled_site():
     rt = make_dz_runtime(sessions=2, max_rows=4)
-    rt.open_session("a", SPEC)
-    rt.open_session("b", DreamZeroSpec.from_model_config(CFG.__class__(**{**CFG.__dict__, "sink_size": 0})))
-    from paged_kv_compile.families.dreamzero import DreamZeroExpect
-    expect = DreamZeroExpect(window_tokens=SPEC.window_tokens, sink_tokens=SPEC.sink_tokens,
-                             chunk_tokens=SPEC.chunk_tokens, action_tokens=SPEC.action_tokens)
+    rt.admit("a", SPEC)
+    rt.admit("b", DreamZeroSpec.from_model_config(CFG.__class__(**{**CFG.__dict__, "sink_size": 0})))
+    from paged_kv_compile.passes.idioms import WindowExpect
+    expect = WindowExpect(window_tokens=SPEC.window_tokens, sink_tokens=SPEC.sink_tokens,
+                          chunk_tokens=SPEC.chunk_tokens, action_tokens=SPEC.action_tokens)
     with rt.forward_batch([("a", "denoise"), ("b", "denoise")]):
         with pytest.raises(RequestError, match="session 'b' disagree on sink_tokens"):
             rt.check_layout(expect)

@@ -11,10 +11,9 @@ import torch
 from helpers import CountingBackend, compile_blocks, raises_paged
 
 from paged_kv_compile import BindingError, RequestError
-from paged_kv_compile.driver import dreamzero_runtime_config
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 CFG = DreamZeroConfig(num_layers=3)
 ATOL = 1e-5
@@ -33,7 +32,7 @@ class Harness:
         self.rt.bind(self.model.blocks)
         self.backend = CountingBackend({"inner_compiler": "aot_eager"})
         compile_blocks(self.model.blocks, self.backend)
-        self.rt.open_session("s", DreamZeroSpec.from_model_config(CFG), rows=2)
+        self.rt.admit("s", DreamZeroSpec.from_model_config(CFG), rows=2)
         self.caches = [torch.zeros(2, 2, 0, CFG.num_heads, CFG.head_dim) for _ in range(CFG.num_layers)]
         self.standin = self.rt.standin(2, 2, CFG.max_attention_size, CFG.num_heads, CFG.head_dim)
         g = torch.Generator().manual_seed(0)
@@ -51,7 +50,7 @@ class Harness:
     def forward(self, order, commit, blocks=None):
         blocks = blocks if blocks is not None else self.model.blocks
         x, e, cos, sin = self.inputs()
-        with self.rt.dreamzero_forward("s", commit=commit):
+        with self.rt.forward("s", "commit" if commit else "denoise"):
             for i in order:
                 want, new_cache = self.dense.blocks[i](x, e, cos, sin, self.caches[i], self.cross[i])
                 got, _ = blocks[i](x, e, cos, sin, self.standin, self.cross[i])

@@ -13,23 +13,11 @@ import pytest
 import torch
 from helpers import CountingBackend, compile_blocks
 
-from paged_kv_compile.capture import (
-    CaptureError,
-    CapturedBlocks,
-    EmulatedGraphs,
-    dreamzero_block_inputs,
-    dreamzero_buckets,
-    hunyuan_buckets,
-    hunyuan_layer_inputs,
-    warm_up,
-)
+from paged_kv_compile.capture import CaptureError, CapturedBlocks, EmulatedGraphs, warm_up
+from paged_kv_compile.families.dreamzero import dreamzero_block_inputs, dreamzero_buckets, dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_buckets, hunyuan_layer_inputs, hunyuan_runtime_config
 from paged_kv_compile.config import Bucket
-from paged_kv_compile.driver import (
-    dreamzero_runtime_config,
-    hunyuan_runtime_config,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
-)
+from paged_kv_compile.driver import paged_run
 from paged_kv_compile.errors import ConfigError, RequestError
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
@@ -100,7 +88,7 @@ def test_dreamzero_warmup_then_rollout_compiles_nothing_and_matches_dense(capfd)
 
     graphs = _unique_graphs()
     with captured.serving():  # fail_on_recompile: a compile here raises
-        paged = paged_dreamzero_rollout(model, runtime, num_chunks=10, num_inference_steps=2, seed=3)
+        paged = paged_run(model, runtime, num_chunks=10, num_inference_steps=2, seed=3)
     assert _unique_graphs() == graphs and backend.frames == 1
     assert dense["resets"] == paged["resets"] and dense["resets"]
     for key in ("video", "actions"):
@@ -123,7 +111,7 @@ def test_hunyuan_warmup_covers_every_bucket_and_serving_compiles_nothing():
     requests = [_prompts([9]), _prompts([11, 4], seed=1)]
     graphs = _unique_graphs()
     with captured.serving():
-        got = [paged_hunyuan_generate(model, runtime, p, request_id=f"r{i}", num_steps=3, seed=5)
+        got = [paged_run(model, runtime, prompts=p, owner_id=f"r{i}", num_steps=3, seed=5)
                for i, p in enumerate(requests)]
     assert _unique_graphs() == graphs and backend.frames == 4
     for prompts, out in zip(requests, got):
@@ -139,8 +127,8 @@ def test_addresses_never_change():
     standin = runtime.standin(2, 2, DZ_CFG.max_attention_size, DZ_CFG.num_heads, DZ_CFG.head_dim)
     assert standin.data_ptr() in before["inputs rows=2 tokens=37 context=96"]
     with captured.serving():
-        paged_dreamzero_rollout(model, runtime, num_chunks=4, num_inference_steps=2, seed=3)
-        paged_dreamzero_rollout(model, runtime, num_chunks=2, num_inference_steps=1, seed=4, session_id="second")
+        paged_run(model, runtime, num_chunks=4, num_inference_steps=2, seed=3)
+        paged_run(model, runtime, num_chunks=2, num_inference_steps=1, seed=4, owner_id="second")
     assert captured.addresses() == before
     meta = runtime.metadata.buffers(dreamzero_buckets(DZ_CFG)[0])
     assert meta.addresses() == before["metadata rows=2 tokens=37 context=96"]
@@ -188,8 +176,8 @@ def test_forward_outside_the_configured_buckets_fails_clearly():
     captured = warm_up(model, runtime, progress=False)
     state = runtime.state()
     with captured.serving(), pytest.raises(RequestError) as info:
-        paged_hunyuan_generate(model, runtime, _prompts([11, 4]), request_id="two-rows", num_steps=2,
-                               prefix_capacity=CAPACITY)
+        paged_run(model, runtime, prompts=_prompts([11, 4]), owner_id="two-rows", num_steps=2,
+                  prefix_capacity=CAPACITY)
     message = str(info.value)
     assert "rows=2, tokens=30, context=12" in message and "configured" in message
     assert "Bucket(rows=1, tokens=30, context=12)" in message
@@ -205,7 +193,7 @@ def test_configured_but_not_warmed_bucket_fails_clearly():
     captured = CapturedBlocks(model.layers, runtime, lambda b: hunyuan_layer_inputs(model, runtime, b), buckets=warmed)
     captured.warmup(progress=False)
     with captured.serving(), pytest.raises(RequestError, match=r"was not warmed up \(warmed up: \[Bucket"):
-        paged_hunyuan_generate(model, runtime, _prompts([11, 4]), request_id="two-rows", num_steps=2)
+        paged_run(model, runtime, prompts=_prompts([11, 4]), owner_id="two-rows", num_steps=2)
     assert backend.frames == 2  # nothing compiled for the missing bucket
     assert runtime.scheduler.in_flight is None and "two-rows" not in runtime.scheduler.owners
 
@@ -219,8 +207,8 @@ def test_fallback_eager_runs_an_unbucketed_forward_uncaptured_and_says_so():
     prompts = _prompts([11, 4])
     with captured.serving(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = paged_hunyuan_generate(model, runtime, prompts, request_id="two-rows", num_steps=3, seed=5,
-                                     prefix_capacity=CAPACITY)
+        out = paged_run(model, runtime, prompts=prompts, owner_id="two-rows", num_steps=3, seed=5,
+                        prefix_capacity=CAPACITY)
     assert (out - _dense_hunyuan(prompts)).abs().max().item() <= ATOL
     assert any("running it uncaptured" in str(w.message) for w in caught)
     assert captured.stats["fallback_calls"] == 3 * HY_CFG.num_layers
@@ -289,7 +277,7 @@ def test_emulated_capture_replays_through_static_buffers_and_matches_dense():
     assert len(outputs) == 1  # the hidden states; the returned cache is a stand-in, passed through
     graphs = _unique_graphs()
     with captured.serving():
-        paged = paged_dreamzero_rollout(model, runtime, num_chunks=10, num_inference_steps=2, seed=3)
+        paged = paged_run(model, runtime, num_chunks=10, num_inference_steps=2, seed=3)
     assert _unique_graphs() == graphs and backend.frames == 1
     assert captured.stats["replays"] > 0 and captured.stats["direct_calls"] == 0
     assert captured.addresses() == before
@@ -304,7 +292,7 @@ def test_emulated_capture_serves_every_hunyuan_bucket():
     captured.warmup(progress=False)
     requests = [_prompts([9]), _prompts([11, 4], seed=1)]
     with captured.serving():
-        got = [paged_hunyuan_generate(model, runtime, p, request_id=f"r{i}", num_steps=3, seed=5)
+        got = [paged_run(model, runtime, prompts=p, owner_id=f"r{i}", num_steps=3, seed=5)
                for i, p in enumerate(requests)]
     for prompts, out in zip(requests, got):
         assert (_dense_hunyuan(prompts) - out).abs().max().item() <= ATOL
@@ -324,7 +312,7 @@ def test_cuda_graph_capture_and_replay_match_eager():
     before = captured.addresses()
     graphs = _unique_graphs()
     with captured.serving():
-        paged = paged_dreamzero_rollout(model, runtime, num_chunks=10, num_inference_steps=2, seed=3)
+        paged = paged_run(model, runtime, num_chunks=10, num_inference_steps=2, seed=3)
     torch.cuda.synchronize()
     assert _unique_graphs() == graphs and backend.frames == 1
     assert captured.stats["replays"] > 0 and captured.stats["direct_calls"] == 0

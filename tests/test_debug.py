@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from paged_kv_compile import debug
-from paged_kv_compile.driver import dreamzero_runtime_config, paged_dreamzero_rollout
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
 
@@ -26,7 +27,7 @@ def _short_rollout(options: dict) -> None:
     runtime.bind(model.blocks)
     for block in model.blocks:
         block.compile(backend="paged_kv", fullgraph=True, dynamic=False, options=options)
-    paged_dreamzero_rollout(model, runtime, num_chunks=2, num_inference_steps=1, seed=3)
+    paged_run(model, runtime, num_chunks=2, num_inference_steps=1, seed=3)
     return model  # keep the compiled modules alive until depyf writes its files
 
 

@@ -19,12 +19,9 @@ import torch
 from helpers import CountingBackend, compile_blocks
 
 from paged_kv_compile.config import Bucket
-from paged_kv_compile.driver import (
-    dreamzero_runtime_config,
-    hunyuan_runtime_config,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
-)
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.ops import reference
@@ -105,7 +102,7 @@ def _dreamzero_paged(kernel: str, whole_model: bool, num_chunks: int, steps: int
     else:
         compile_blocks(model.blocks, backend)
     with torch.no_grad():
-        out = paged_dreamzero_rollout(model, runtime, num_chunks=num_chunks, num_inference_steps=steps, seed=3)
+        out = paged_run(model, runtime, num_chunks=num_chunks, num_inference_steps=steps, seed=3)
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
     return out, backend
 
@@ -142,7 +139,7 @@ def _hunyuan(kernel: str, whole_model: bool, prompts, steps: int, inner: str = "
     else:
         compile_blocks(model.layers, backend)
     with torch.no_grad():
-        got = paged_hunyuan_generate(model, runtime, prompts, prefix_capacity=HY_CAPACITY, num_steps=steps, seed=5)
+        got = paged_run(model, runtime, prompts=prompts, prefix_capacity=HY_CAPACITY, num_steps=steps, seed=5)
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
     return (got - dense).abs().max().item(), backend
 

@@ -35,33 +35,33 @@ def test_phases_and_buckets():
 
 def test_branch_forwards_follow_the_phase_geometry():
     rt = _runtime()
-    rt.open_session("s", OMNI, rows=2)
+    rt.admit("s", OMNI, rows=2)
     for branch in (0, 1):  # the first commit of each branch's empty window: one frame, no registers
-        with rt.dreamzero_forward("s", commit=True, branch=branch) as active:
+        with rt.forward("s", "commit", branch=branch) as active:
             plan = active.plan
             assert (len(plan.rows), plan.tokens, plan.phase) == (1, FS, {"chunk_tokens": FS, "action_tokens": 0})
             assert [len(b) for b in plan.new_blocks] == ([1, 0] if branch == 0 else [0, 1])
     assert [len(r) for r in rt.scheduler.owners["s"].rows] == [1, 1]
-    with rt.dreamzero_forward("s", commit=False, branch=1) as active:  # denoise: chunk + registers in scratch
+    with rt.forward("s", "denoise", branch=1) as active:  # denoise: chunk + registers in scratch
         row = active.plan.rows[0]
         assert active.plan.tokens == 2 * FS + 4 and row.positions.tolist() == list(range(FS, 3 * FS + 4))
         assert active.plan.new_blocks == []
-    with rt.dreamzero_forward("s", commit=True, branch=0) as active:  # a later commit: the whole chunk
+    with rt.forward("s", "commit", branch=0) as active:  # a later commit: the whole chunk
         assert active.plan.tokens == 2 * FS and active.plan.rows[0].positions.tolist() == list(range(FS, 3 * FS))
     assert [len(r) for r in rt.scheduler.owners["s"].rows] == [3, 1]
     for _ in range(2):  # fill branch 0's window: 3 -> 5 -> 7 frames committed, the window keeps what it needs
-        with rt.dreamzero_forward("s", commit=True, branch=0):
+        with rt.forward("s", "commit", branch=0):
             pass
-    with rt.dreamzero_forward("s", commit=False, branch=0) as active:
+    with rt.forward("s", "denoise", branch=0) as active:
         assert active.plan.rows[0].positions[0].item() == (5 - 2) * FS  # window - chunk frames of history
-    rt.reset_window("s")
-    with rt.dreamzero_forward("s", commit=True, branch=0) as active:  # an empty window again: a first commit
+    rt.reset("s")
+    with rt.forward("s", "commit", branch=0) as active:  # an empty window again: a first commit
         assert active.plan.tokens == FS
 
 
 def test_unknown_branch_is_refused():
     rt = _runtime()
-    rt.open_session("s", OMNI, rows=2)
+    rt.admit("s", OMNI, rows=2)
     with pytest.raises(RequestError, match="branch 2 does not exist"):
-        rt.dreamzero_forward("s", commit=True, branch=2)
+        rt.forward("s", "commit", branch=2)
     assert rt.scheduler.in_flight is None

@@ -63,7 +63,7 @@ def test_graph_dump(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "paged_kv_graph_" in out and "full_code_for_forward" in out
     assert "torch.ops.paged_kv.write_attend.default(" in out
-    assert "rewritten (dreamzero" in out
+    assert "rewritten (window" in out
     assert any(p.name.endswith(".after.py") for p in tmp_path.iterdir())
 
 

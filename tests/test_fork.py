@@ -14,10 +14,10 @@ import torch
 from helpers import CountingBackend, compile_blocks
 
 from paged_kv_compile import RequestError, families
-from paged_kv_compile.driver import dreamzero_runtime_config
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec
+from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
 ATOL = 1e-5
 # Window 3 frames with a 1-frame sink, chunk 1 frame of 4 tokens: the window slides after 3 commits.
@@ -39,7 +39,7 @@ def make_runtime(allocator: str = "builtin", sessions: int = 4, max_rows: int = 
 def commit_empty(rt: PagedKVRuntime, sid: str, n: int = 1, branch: int | None = None) -> None:
     """Commit forwards that run no layer (the scheduler-level tests need only the block bookkeeping)."""
     for _ in range(n):
-        with rt.dreamzero_forward(sid, commit=True, branch=branch):
+        with rt.forward(sid, "commit", branch=branch):
             pass
 
 
@@ -66,7 +66,7 @@ def assert_refcounts_exact(rt: PagedKVRuntime) -> None:
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_fork_shares_every_block_and_copies_nothing(allocator):
     rt = make_runtime(allocator)
-    rt.open_session("p", SPEC)
+    rt.admit("p", SPEC)
     g = torch.Generator().manual_seed(0)
     commit_empty(rt, "p", 3)
     rt.pool.tensor.copy_(torch.randn(rt.pool.tensor.shape, generator=g))  # stands for the committed K/V
@@ -82,7 +82,7 @@ def test_fork_shares_every_block_and_copies_nothing(allocator):
     assert all(rt.scheduler.allocator.refcount(b) == 3 for row in parent_rows for b in row)
     # The children's next commits take blocks of their own; the shared ones keep their bytes.
     shared = [b for row in parent_rows for b in row]
-    with rt.dreamzero_forward("c1", commit=True) as active:
+    with rt.forward("c1", "commit") as active:
         new = [b for row in active.plan.new_blocks for b in row]
         assert new and not set(new) & set(shared)
     assert_refcounts_exact(rt)
@@ -96,7 +96,7 @@ def test_fork_shares_every_block_and_copies_nothing(allocator):
 def test_fork_release_frees_only_blocks_nobody_else_holds(allocator):
     rt = make_runtime(allocator)
     total = rt.scheduler.allocator.num_blocks
-    rt.open_session("p", SPEC)
+    rt.admit("p", SPEC)
     commit_empty(rt, "p", 2)  # sink + 1 frame per row
     rt.fork("p", "a")
     rt.fork("a", "b")  # a fork of a fork shares the same blocks
@@ -107,7 +107,7 @@ def test_fork_release_frees_only_blocks_nobody_else_holds(allocator):
         free = rt.scheduler.allocator.num_free
         mine = {b for row in rt.scheduler.owned_blocks()[sid] for b in row}
         others = {b for o, rows in rt.scheduler.owned_blocks().items() if o != sid for row in rows for b in row}
-        rt.close_session(sid)
+        rt.release(sid)
         assert rt.scheduler.allocator.num_free == free + len(mine - others)
         assert_refcounts_exact(rt)
     assert rt.scheduler.allocator.num_free == total
@@ -115,14 +115,14 @@ def test_fork_release_frees_only_blocks_nobody_else_holds(allocator):
 
 def test_fork_refusals_name_the_fix_and_change_nothing():
     rt = make_runtime()
-    rt.open_session("p", SPEC)
+    rt.admit("p", SPEC)
     commit_empty(rt, "p", 2)
-    rt.admit_request("h", HunyuanSpec((4,), 2))
-    rt.open_session("done", SPEC)
-    rt.close_session("done")
+    rt.admit("h", HunyuanSpec((4,), 2))
+    rt.admit("done", SPEC)
+    rt.release("done")
     cases = [
         (("nope", "c"), "unknown id 'nope'"),
-        (("done", "c"), "'done' is closed"),
+        (("done", "c"), "'done' is released"),
         (("p", "p"), "'p' is already live"),
         (("p", "done"), "'done' was already used"),
         (("h", "c"), "hunyuan_image3 request, which cannot be forked"),
@@ -133,7 +133,7 @@ def test_fork_refusals_name_the_fix_and_change_nothing():
             rt.fork(*args)
         assert rt.state() == before
     # Mid-forward: the plan in flight would change the history the child shares.
-    with rt.dreamzero_forward("p", commit=True):
+    with rt.forward("p", "commit"):
         before = rt.state()
         with pytest.raises(RequestError, match="fork between forwards"):
             rt.fork("p", "c")
@@ -148,20 +148,20 @@ def test_fork_refusals_name_the_fix_and_change_nothing():
     assert rt.state() == before
     commit_empty(rt, "p", 1, branch=1)
     rt.fork("p", "c")  # at a boundary again
-    rt.reset_window("p")
+    rt.reset("p")
     rt.fork("p", "c2")  # an empty window is a boundary too
     assert rt.scheduler.owned_blocks()["c2"] == [[], []]
 
 
 def test_fork_respects_the_session_cap():
     rt = PagedKVRuntime(dreamzero_runtime_config(CFG, sessions=4), max_sessions=2)
-    rt.open_session("old", SPEC)
-    rt.open_session("p", SPEC)
+    rt.admit("old", SPEC)
+    rt.admit("p", SPEC)
     commit_empty(rt, "p", 1)
     rt.fork("p", "c")  # evicts the least recently used session that is not the parent
     assert set(rt.scheduler.owners) == {"p", "c"} and rt.scheduler.finished["old"].startswith("evicted")
     one = PagedKVRuntime(dreamzero_runtime_config(CFG, sessions=4), max_sessions=1)
-    one.open_session("p", SPEC)
+    one.admit("p", SPEC)
     before = one.state()
     with pytest.raises(RequestError, match="max_sessions=1 leaves no room for a fork"):
         one.fork("p", "c")
@@ -172,7 +172,7 @@ def test_fork_write_guard_refuses_a_plan_that_writes_a_shared_block(monkeypatch)
     """The guard behind 'a shared block is never written': a family whose plan would write into the history a
     fork shares (here: a commit laid out over the first history block) is refused before anything runs."""
     rt = make_runtime()
-    rt.open_session("p", SPEC)
+    rt.admit("p", SPEC)
     commit_empty(rt, "p", 2)
     rt.fork("p", "c")
     family = families.get("dreamzero")
@@ -188,7 +188,7 @@ def test_fork_write_guard_refuses_a_plan_that_writes_a_shared_block(monkeypatch)
     shared = rt.scheduler.owned_blocks()["c"][0][0]
     before = rt.state()
     with pytest.raises(RequestError, match=rf"row 0 of this commit forward of 'c' would write blocks \[{shared}, "):
-        rt.scheduler.plan_dreamzero("c", commit=True)
+        rt.scheduler.plan("c", "commit")
     assert rt.state() == before  # the commit's new blocks were given back
 
 
@@ -218,7 +218,7 @@ def cross_kvs(model: DreamZeroModel, rows: int = 2) -> list[torch.Tensor]:
 def paged_call(rt, model, sid, x, a, start, commit, t=0.0):
     rows = x.shape[0]
     caches = families.for_model(model).standin_caches(rt, model, rows)
-    with rt.dreamzero_forward(sid, commit=commit):
+    with rt.forward(sid, "commit" if commit else "denoise"):
         video, act, _ = model(x, a, torch.full((rows,), t), start, caches, cross_kvs(model, rows),
                               update_kv_cache=commit)
     return video, act
@@ -226,7 +226,7 @@ def paged_call(rt, model, sid, x, a, start, commit, t=0.0):
 
 def test_forked_children_equal_dense_continuations_of_the_parent():
     model, dense, rt = make_model_rig()
-    rt.open_session("p", SPEC)
+    rt.admit("p", SPEC)
     caches = dense.dense_caches(2)
     for chunk in range(3):  # the parent's history: three commits, the window is full
         x, a = chunk_inputs(chunk)

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from paged_kv_compile import CapacityError, ConfigError, PagedKVConfig, RequestError
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
+from paged_kv_compile.families.dreamzero import DreamZeroSpec
 
 B = 4
 SPECS = [
@@ -93,7 +93,7 @@ class ForkLifecycles(RuleBasedStateMachine):
         snapshot = rt.pool.tensor[:, absolute].clone()
         before = rt.state()
         try:
-            ctx = rt.forward_batch(items) if batched else rt.forward_for(*items[0][:2], **items[0][2])
+            ctx = rt.forward_batch(items) if batched else rt.forward(*items[0][:2], **items[0][2])
         except (CapacityError, RequestError) as e:
             assert rt.state() == before, f"a refused plan changed the state: {e}"
             return
@@ -115,7 +115,7 @@ class ForkLifecycles(RuleBasedStateMachine):
     # ---- rules --------------------------------------------------------------------------------------
     @rule(spec=st.sampled_from(SPECS), rows=st.integers(1, 2))
     def open_session(self, spec, rows):
-        self._refused(lambda: self.rt.open_session(self._new_id(), spec, rows=rows))
+        self._refused(lambda: self.rt.admit(self._new_id(), spec, rows=rows))
 
     @rule(spec=st.sampled_from(SPECS), rows=st.integers(1, 2), tenant=st.sampled_from(["t1", "t2"]),
           prompt=st.sampled_from([1, 2]), keyed=st.booleans(), forged=st.booleans())
@@ -125,8 +125,8 @@ class ForkLifecycles(RuleBasedStateMachine):
         cross = [torch.stack([CROSS[s][layer] for s in seeds], dim=1) for layer in range(2)]
         keys = [f"p{3 - prompt if forged else prompt}", "neg"][:rows] if keyed else None
         sid = self._new_id()
-        if self._refused(lambda: self.rt.open_session(sid, spec, rows=rows, cross_kv=cross, cache_salt=tenant,
-                                                      content_keys=keys)):
+        if self._refused(lambda: self.rt.admit(sid, spec, rows=rows, cross_kv=cross, cache_salt=tenant,
+                                               content_keys=keys)):
             return
         self.regions_opened += 1
         self.tenant_of[sid] = tenant
@@ -161,7 +161,7 @@ class ForkLifecycles(RuleBasedStateMachine):
     @rule(data=st.data(), how=st.sampled_from(["abort", "close", "reset"]))
     def end(self, data, how):
         sid = data.draw(st.sampled_from(self._live()))
-        {"abort": self.rt.abort, "close": self.rt.close_session, "reset": self.rt.reset_window}[how](sid)
+        {"abort": self.rt.abort, "close": self.rt.release, "reset": self.rt.reset}[how](sid)
 
     @invariant()
     def refcounts_are_exact(self):

@@ -43,7 +43,7 @@ def test_dreamzero_loop_on_an_fp8_pool():
 def test_a_graph_compiled_for_an_fp32_pool_is_refused_on_an_fp8_pool_of_the_same_shape():
     """The pool's dtype is part of what a compiled graph assumes (an FP8 pool adds its scales as an input)."""
     from paged_kv_compile.errors import RequestError
-    from paged_kv_compile.scheduler import DreamZeroSpec
+    from paged_kv_compile.families.dreamzero import DreamZeroSpec
     from test_reliability_bad_input import TINY_DZ, _block_inputs, _commit_once, _dz_compiled, _dz_runtime
 
     model, rt = _dz_compiled()
@@ -53,10 +53,10 @@ def test_a_graph_compiled_for_an_fp32_pool_is_refused_on_an_fp8_pool_of_the_same
     rt2 = _dz_runtime(kv_dtype=torch.float8_e4m3fn)
     assert rt2.pool.tensor.shape == shape
     rt2.bind(model.blocks)
-    rt2.open_session("s", DreamZeroSpec.from_model_config(TINY_DZ), rows=2)
+    rt2.admit("s", DreamZeroSpec.from_model_config(TINY_DZ), rows=2)
     inputs = _block_inputs(model, rt2)
     before = rt2.pool.tensor.view(torch.uint8).clone()
     with pytest.raises(RequestError, match=r"another pool geometry; compile again for this runtime \(shape and dtype"):
-        with rt2.dreamzero_forward("s", commit=False):
+        with rt2.forward("s", "denoise"):
             model.blocks[0](*inputs)
     assert torch.equal(rt2.pool.tensor.view(torch.uint8), before)

@@ -17,20 +17,10 @@ import torch
 from helpers import CountingBackend, compile_blocks
 
 import paged_kv_compile  # noqa: F401  (registers torch.ops.paged_kv)
-from paged_kv_compile.capture import (
-    CapturedBlocks,
-    EmulatedGraphs,
-    dreamzero_buckets,
-    hunyuan_buckets,
-    model_blocks_and_inputs,
-    warm_up,
-)
-from paged_kv_compile.driver import (
-    dreamzero_runtime_config,
-    hunyuan_runtime_config,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
-)
+from paged_kv_compile.capture import CapturedBlocks, EmulatedGraphs, model_blocks_and_inputs, warm_up
+from paged_kv_compile.families.dreamzero import dreamzero_buckets, dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_buckets, hunyuan_runtime_config
+from paged_kv_compile.driver import paged_run
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.ops import flash_attn as fa
@@ -176,7 +166,7 @@ def test_dreamzero_captured_rollout_matches_dense_eager(kernel, no_host_checks):
     before = captured.addresses()
     t0 = time.perf_counter()
     with torch.no_grad(), captured.serving():
-        paged = paged_dreamzero_rollout(model, runtime, num_chunks=num_chunks, num_inference_steps=steps, seed=3)
+        paged = paged_run(model, runtime, num_chunks=num_chunks, num_inference_steps=steps, seed=3)
     if CUDA:
         torch.cuda.synchronize()
     diff = max((dense[k] - paged[k]).abs().max().item() for k in ("video", "actions"))
@@ -210,8 +200,8 @@ def test_hunyuan_captured_generation_matches_dense_eager(kernel, no_host_checks)
     compile_blocks(model.layers, backend)
     captured = _warm_up(model, runtime)
     with torch.no_grad(), captured.serving():
-        got = [paged_hunyuan_generate(model, runtime, p, request_id=f"r{i}", prefix_capacity=HY_CAPACITY,
-                                      num_steps=steps, seed=5) for i, p in enumerate(requests)]
+        got = [paged_run(model, runtime, prompts=p, owner_id=f"r{i}", prefix_capacity=HY_CAPACITY,
+                         num_steps=steps, seed=5) for i, p in enumerate(requests)]
     diff = max((g - d).abs().max().item() for g, d in zip(got, dense))
     record(f"hunyuan captured generation {kernel}", max_abs_diff_vs_dense=diff, requests=len(requests), steps=steps,
            replays=captured.stats["replays"], inner=backend.options["inner_compiler"],
@@ -266,7 +256,7 @@ def test_metadata_staging_with_the_host_running_ahead():
         pytest.skip("needs asynchronous copies (CUDA); the CPU version is tests/test_metadata.py")
     from paged_kv_compile.config import Bucket
     from paged_kv_compile.metadata import MetadataBuilder
-    from paged_kv_compile.scheduler import DreamZeroSpec
+    from paged_kv_compile.families.dreamzero import DreamZeroSpec
 
     spec = DreamZeroSpec(frame_seqlen=8, chunk_frames=1, window_frames=4, sink_frames=0, action_tokens=3)
     from paged_kv_compile import PagedKVConfig
@@ -274,10 +264,10 @@ def test_metadata_staging_with_the_host_running_ahead():
     cfg = PagedKVConfig(num_layers=3, num_kv_heads=1, head_dim=4, block_size=4, blocks_per_layer=32, max_rows=2,
                         scratch_tokens_per_row=32)
     rt = PagedKVRuntime(cfg)
-    rt.open_session("s", spec, rows=2)
+    rt.admit("s", spec, rows=2)
     plans = []
     for commit in (True, True, False, True, True, False, True, True):
-        plan = rt.scheduler.plan_dreamzero("s", commit=commit)
+        plan = rt.scheduler.plan("s", "commit" if commit else "denoise")
         plans.append(plan)
         rt.scheduler.finish_forward(plan)
     bucket = Bucket(2, plans[0].tokens, plans[0].context)

@@ -17,7 +17,7 @@ import torch
 from helpers import CountingBackend, compile_blocks
 
 from paged_kv_compile import RequestError
-from paged_kv_compile.driver import hunyuan_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec, hunyuan_runtime_config
 from paged_kv_compile.models.hunyuan_image3 import (
     HunyuanImage3Config,
     HunyuanImage3Model,
@@ -25,7 +25,6 @@ from paged_kv_compile.models.hunyuan_image3 import (
     hunyuan_rope_tables,
 )
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import HunyuanSpec
 
 ATOL = 1e-5
 CFG = HunyuanImage3Config()
@@ -153,7 +152,7 @@ def dense_and_paged(style: str, eoi: bool, lengths=(7, 4), spec: HunyuanSpec | N
         model.layers = torch.nn.ModuleList(ContiguousMask(layer) for layer in model.layers)
     compile_blocks(model.layers, CountingBackend({"inner_compiler": "aot_eager", "check_mask": True}))
     spec = spec or HunyuanSpec(tuple(req.lens), CFG.target_len, ((1, 1 + CFG.image_tokens),))
-    runtime.admit_request("r", spec)
+    runtime.admit("r", spec)
     standin = runtime.standin(*shape, writable=True)
     caches = [HunyuanKVCache(standin, standin) for _ in range(CFG.num_layers)]
 
@@ -162,8 +161,8 @@ def dense_and_paged(style: str, eoi: bool, lengths=(7, 4), spec: HunyuanSpec | N
     @contextlib.contextmanager
     def forward(phase, mask):
         given = mask if phase == "prefill" or runtime_step_mask else None
-        with torch.no_grad(), runtime.hunyuan_forward("r", phase=phase, prefix_capacity=req.capacity,
-                                                      attention_mask=given):
+        with torch.no_grad(), runtime.forward("r", phase, prefix_capacity=req.capacity,
+                                              attention_mask=given):
             yield
 
     if model_step_mask is not None:
@@ -196,10 +195,10 @@ def test_a_spec_that_does_not_describe_the_mask_is_refused_at_the_prefill():
 
 def test_a_prefill_without_the_mask_is_refused():
     runtime = PagedKVRuntime(hunyuan_runtime_config(CFG, max_prefix=8, block_size=4, kernel="reference"))
-    runtime.admit_request("r", HunyuanSpec((5,), CFG.target_len))
+    runtime.admit("r", HunyuanSpec((5,), CFG.target_len))
     before = runtime.state()
     with pytest.raises(RequestError, match="attention_mask"):
-        runtime.hunyuan_forward("r", phase="prefill", prefix_capacity=8)
+        runtime.forward("r", "prefill", prefix_capacity=8)
     assert runtime.state() == before
 
 

@@ -106,14 +106,50 @@ def _layer(prefix: str) -> dict[str, set[str]]:
     return {m: deps for m, deps in import_graph().items() if m == prefix or m.startswith(prefix + ".")}
 
 
+#: The generic layers: they reach a family only through the registry (`families`) and its base class.
+GENERIC = ("paged_kv_compile.runtime", "paged_kv_compile.scheduler", "paged_kv_compile.capture",
+           "paged_kv_compile.driver")
+FAMILY_MODULES = ("paged_kv_compile.families.", "paged_kv_compile.models.", "paged_kv_compile.adapters")
+#: what a generic layer may import from those: the registry's base class and the loops' hooks seam (no model)
+GENERIC_SEAMS = ("paged_kv_compile.families.base", "paged_kv_compile.models.hooks")
+GENERIC_FILES = ["runtime.py", "scheduler.py", "driver.py", *(f"capture/{p.name}" for p in
+                                                            sorted((ROOT / "capture").glob("*.py")))]
+FAMILY_WORDS = ("dreamzero", "hunyuan")
+
+
+@pytest.mark.parametrize("layer", GENERIC)
+def test_generic_layers_import_no_family_module(layer):
+    """`families` (the registry) and `families.base` only: never a family's module or its model."""
+    bad = {m: sorted(d for d in deps if d.startswith(FAMILY_MODULES) and d not in GENERIC_SEAMS)
+           for m, deps in _layer(layer).items()}
+    bad = {m: d for m, d in bad.items() if d}
+    assert not bad, f"{layer} imports family modules: {bad}"
+
+
+@pytest.mark.parametrize("name", GENERIC_FILES)
+def test_generic_files_name_no_family(name):
+    """Not even in a docstring or a message: what is specific to a family is taught from its module."""
+    text = (ROOT / name).read_text().lower()
+    found = [w for w in FAMILY_WORDS if w in text]
+    assert not found, f"{name} names a family ({found}); move that knowledge to families/<family>.py"
+
+
+def test_the_family_word_check_finds_a_family_name():
+    """The check above is not vacuous: it reads the files it names and would see a family there."""
+    assert all((ROOT / name).is_file() for name in GENERIC_FILES)
+    assert any(w in (ROOT / "families" / "dreamzero.py").read_text().lower() for w in FAMILY_WORDS)
+
+
 @pytest.mark.parametrize("layer, allowed", [
     # the dense reference models know nothing of paging
     ("paged_kv_compile.models", ("paged_kv_compile.models",)),
     # warm-up and capture hold no family knowledge: they reach a model only through families/
     ("paged_kv_compile.capture", ("paged_kv_compile.capture", "paged_kv_compile.families", "paged_kv_compile.binding",
                                   "paged_kv_compile.config", "paged_kv_compile.errors")),
-    # the generic site analysis knows no family
-    ("paged_kv_compile.passes.site", ("paged_kv_compile.passes.common", "paged_kv_compile.families.base")),
+    # the generic site analysis and the idioms know no family
+    ("paged_kv_compile.passes.site", ("paged_kv_compile.passes.common",)),
+    ("paged_kv_compile.passes.idioms", ("paged_kv_compile.passes.idioms", "paged_kv_compile.passes.site",
+                                        "paged_kv_compile.passes.common")),
     ("paged_kv_compile.passes.common", ()),
     # the op and its kernels know nothing of runtimes, families or models
     ("paged_kv_compile.ops", ("paged_kv_compile.ops", "paged_kv_compile.config", "paged_kv_compile.errors")),

@@ -14,7 +14,8 @@ from paged_kv_compile import PagedKVConfig, RequestError
 from paged_kv_compile.config import Bucket
 from paged_kv_compile.layout import RowLayout
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec
+from paged_kv_compile.families.dreamzero import DreamZeroSpec
+from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
 B = 4
 SPEC = DreamZeroSpec(frame_seqlen=8, chunk_frames=1, window_frames=4, sink_frames=0, action_tokens=3)
@@ -48,10 +49,10 @@ def expected_layer_metadata(pool, rows, layer: int, tokens: int, width: int) -> 
 
 def test_buffers_keep_their_addresses_and_every_layer_gets_its_own_slots():
     rt = runtime()
-    rt.open_session("s", SPEC, rows=2)
+    rt.admit("s", SPEC, rows=2)
     seen = set()
     for commit in (True, False, False, True, False):
-        with rt.dreamzero_forward("s", commit=commit) as active:
+        with rt.forward("s", "commit" if commit else "denoise") as active:
             meta, rows = active.meta, active.plan.rows
             seen.add(meta.addresses() + (rt.pool.tensor.data_ptr(),))
             for layer in range(rt.pool.num_layers):
@@ -72,13 +73,13 @@ def test_buffers_keep_their_addresses_and_every_layer_gets_its_own_slots():
 def test_padding_follows_the_op_conventions():
     rt = runtime()
     spec = HunyuanSpec((5,), 6, ((1, 5),))
-    rt.admit_request("r", spec)
-    with rt.forward(rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=8,
-                                              attention_mask=spec.padded_mask(8))):
+    rt.admit("r", spec)
+    with rt.forward_plan(rt.scheduler.plan("r", "prefill", prefix_capacity=8,
+                                           attention_mask=spec.padded_mask(8))):
         pass
     bucket = Bucket(2, 14, 8)  # a 2-row bucket serving a 1-row request: row 1 is padding
     rt.scheduler.in_flight = None
-    meta = rt.metadata.build(bucket, rt.scheduler.plan_hunyuan("r", phase="step", prefix_capacity=8).rows)
+    meta = rt.metadata.build(bucket, rt.scheduler.plan("r", "step", prefix_capacity=8).rows)
     assert torch.all(meta.slot_mapping[:, 1] == -1) and torch.all(meta.kv_visible_end[1] == 0)
     assert meta.seq_lens[1] == 0 and torch.all(meta.block_table[:, 1] == rt.pool.pad_block)
     assert torch.all(meta.slot_mapping[:, 0, 6:] == -1), "padded tokens are never written"
@@ -87,20 +88,20 @@ def test_padding_follows_the_op_conventions():
 
 def test_token_count_beyond_the_bucket_is_refused_without_change():
     rt = runtime(buckets=(Bucket(2, SPEC.tokens_per_forward, SPEC.window_tokens),))
-    rt.open_session("s", SPEC, rows=2)
+    rt.admit("s", SPEC, rows=2)
     before = rt.state()
     with pytest.raises(RequestError, match="beyond bucket"):
-        rt.metadata.build(Bucket(2, 4, SPEC.window_tokens), rt.scheduler.plan_dreamzero("s", commit=False).rows)
+        rt.metadata.build(Bucket(2, 4, SPEC.window_tokens), rt.scheduler.plan("s", "denoise").rows)
     rt.scheduler.abort_forward(rt.scheduler.in_flight)
     assert rt.state() == before
 
 
 def test_forward_outside_configured_buckets_fails_clearly():
     rt = runtime(buckets=(Bucket(2, 99, SPEC.window_tokens),))
-    rt.open_session("s", SPEC, rows=2)
+    rt.admit("s", SPEC, rows=2)
     before = rt.state()
     with pytest.raises(RequestError, match="no configured bucket"):
-        with rt.dreamzero_forward("s", commit=True):
+        with rt.forward("s", "commit"):
             pass
     assert rt.state() == before
 
@@ -130,9 +131,9 @@ def test_a_build_dispatches_no_torch_compute_op_and_a_repeat_nothing():
     from metadata_cost import OpCounter
 
     rt = runtime()
-    rt.open_session("s", SPEC, rows=2)
+    rt.admit("s", SPEC, rows=2)
     for commit in (True, False):
-        plan = rt.scheduler.plan_dreamzero("s", commit=commit)
+        plan = rt.scheduler.plan("s", "commit" if commit else "denoise")
         bucket = rt.bucket_for(len(plan.rows), plan.tokens, plan.context)
         rt.metadata.buffers(bucket)  # its padding state is built outside the count
         with OpCounter() as fresh:
@@ -140,7 +141,7 @@ def test_a_build_dispatches_no_torch_compute_op_and_a_repeat_nothing():
         assert fresh.ops == [], f"a {'commit' if commit else 'denoise'} build dispatched {fresh.ops}"
         rt.scheduler.finish_forward(plan)
     copies = rt.metadata.copies
-    plan = rt.scheduler.plan_dreamzero("s", commit=False)
+    plan = rt.scheduler.plan("s", "denoise")
     with OpCounter() as repeat:
         rt.metadata.build(bucket, plan.rows, plan.key)
     assert repeat.ops == [] and rt.metadata.copies == copies, "a repeated denoise layout: no op, no copy"
@@ -199,10 +200,10 @@ def test_staging_buffer_is_never_written_while_a_copy_out_of_it_is_pending():
     """Host runs ahead (no sync between forwards). Each copy, when it finally runs, must deliver the plan
     that was staged for it -- not the next plan's values written into the same pinned buffer meanwhile."""
     rt = runtime()
-    rt.open_session("s", SPEC, rows=2)
+    rt.admit("s", SPEC, rows=2)
     plans, bucket = [], None
     for commit in (True, True, False, True, True):  # layouts differ forward to forward
-        plan = rt.scheduler.plan_dreamzero("s", commit=commit)
+        plan = rt.scheduler.plan("s", "commit" if commit else "denoise")
         bucket = Bucket(len(plan.rows), plan.tokens, plan.context)
         plans.append(plan)
         rt.scheduler.finish_forward(plan)

@@ -57,7 +57,7 @@ class RecordingHooks(DenseHooks):
         finally:
             self.kind = None
 
-    def window_reset(self):
+    def reset_history(self):
         self.events.append(("window_reset",))
 
 

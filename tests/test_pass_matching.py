@@ -13,12 +13,9 @@ import torch.nn.functional as F
 from helpers import CountingBackend, compile_blocks, hunyuan_qkv, raises_paged
 
 from paged_kv_compile import PassError, RequestError
-from paged_kv_compile.driver import (
-    dreamzero_runtime_config,
-    hunyuan_runtime_config,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
-)
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config
 from paged_kv_compile.models import dreamzero as dz
 from paged_kv_compile.models import hunyuan_image3 as hy
 from paged_kv_compile.models.common import apply_rope_3d
@@ -145,7 +142,7 @@ def _run_dreamzero(monkeypatch, forward, options, num_chunks=6):
     rt.bind(model.blocks)
     backend = CountingBackend(options)
     compile_blocks(model.blocks, backend)
-    paged = paged_dreamzero_rollout(model, rt, num_chunks=num_chunks, num_inference_steps=2)
+    paged = paged_run(model, rt, num_chunks=num_chunks, num_inference_steps=2)
     return dense, paged, backend
 
 
@@ -160,7 +157,7 @@ def _run_hunyuan(monkeypatch, forward, options):
     rt.bind(model.layers)
     backend = CountingBackend(options)
     compile_blocks(model.layers, backend)
-    paged = paged_hunyuan_generate(model, rt, prompts, prefix_capacity=9, num_steps=3)
+    paged = paged_run(model, rt, prompts=prompts, prefix_capacity=9, num_steps=3)
     return dense, paged, backend
 
 
@@ -171,7 +168,7 @@ def test_dreamzero_rope_over_registers_then_slice_is_rewritten(monkeypatch):
     assert (dense["actions"] - paged["actions"]).abs().max().item() <= ATOL
     assert backend.frames == 1
     result = backend.results[0]
-    assert [r.pattern for r in result.reports if r.status == "rewritten"] == ["dreamzero-window"]
+    assert [r.pattern for r in result.reports if r.status == "rewritten"] == ["window"]
     cfg = dz.DreamZeroConfig()
     assert (result.expect.chunk_tokens, result.expect.action_tokens) == (cfg.chunk_tokens, cfg.action_register_length)
 
@@ -186,14 +183,14 @@ def test_dreamzero_bhsd_concat_wrapper_is_rewritten(monkeypatch):
     dense, paged, backend = _run_dreamzero(monkeypatch, dreamzero_bhsd_concat, {"inner_compiler": "aot_eager"})
     assert (dense["video"] - paged["video"]).abs().max().item() <= ATOL
     assert backend.frames == 1
-    assert [r.pattern for r in backend.results[0].reports if r.status == "rewritten"] == ["dreamzero-window"]
+    assert [r.pattern for r in backend.results[0].reports if r.status == "rewritten"] == ["window"]
 
 
 def test_hunyuan_additive_mask_repeat_interleave_is_rewritten(monkeypatch):
     dense, paged, backend = _run_hunyuan(monkeypatch, hunyuan_additive_interleave, {"inner_compiler": "aot_eager"})
     assert (dense - paged).abs().max().item() <= ATOL
     assert sorted(r.pattern for res in backend.results for r in res.reports) == [
-        "hunyuan-prefill", "hunyuan-prefix-step"]
+        "prefill-store", "prefix-step"]
 
 
 def test_other_gqa_mapping_is_refused_with_a_warning(monkeypatch):

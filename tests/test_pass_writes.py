@@ -83,8 +83,8 @@ def test_index_copy_at_data_positions_puts_the_new_tokens_last():
 
 
 def _rolling_match(fn, *args):
-    """The DreamZero family's reading of `fn`'s attention site, its `cache` argument a stand-in."""
-    from paged_kv_compile.families.dreamzero import DREAMZERO
+    """The rolling-cache idiom's reading of `fn`'s attention site, its `cache` argument a stand-in."""
+    from paged_kv_compile.passes.idioms import ROLLING_CACHE
     from paged_kv_compile.passes.site import analyze, store_nodes
 
     got = []
@@ -93,7 +93,7 @@ def _rolling_match(fn, *args):
         standins = {n for n in gm.graph.nodes if n.op == "placeholder" and "cache" in n.name}
         sdpa = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS)
         site = analyze(sdpa, standins, store_nodes(gm.graph, standins), set())
-        got.append(site if isinstance(site, str) else DREAMZERO.match(site))
+        got.append(site if isinstance(site, str) else ROLLING_CACHE.match(site))
         return gm.forward
 
     torch._dynamo.reset()

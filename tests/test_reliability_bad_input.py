@@ -28,18 +28,17 @@ from paged_kv_compile import (
 )
 from paged_kv_compile import binding
 from paged_kv_compile.config import Bucket, PagedKVConfig
-from paged_kv_compile.driver import (
-    PagedHooks,
-    dreamzero_runtime_config,
+from paged_kv_compile.driver import PagedHooks, paged_run
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import (
+    HunyuanSpec,
     hunyuan_runtime_config,
     hunyuan_spec,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
+    prefix_capacity_for,
 )
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec
 
 write_attend = torch.ops.paged_kv.write_attend
 attend = torch.ops.paged_kv.attend
@@ -62,20 +61,20 @@ class World:
 
 def make_world() -> World:
     rt = PagedKVRuntime(PagedKVConfig(**BASE))
-    rt.open_session("live", DZ, rows=2)
-    with rt.dreamzero_forward("live", commit=True):
+    rt.admit("live", DZ, rows=2)
+    with rt.forward("live", "commit"):
         pass
-    rt.open_session("gone", DZ, rows=2)
+    rt.admit("gone", DZ, rows=2)
     rt.abort("gone")
-    rt.open_session("closed", DZ, rows=1)
-    rt.close_session("closed")
+    rt.admit("closed", DZ, rows=1)
+    rt.release("closed")
     spec = HunyuanSpec((5, 3), 6, ((1, 5),))
-    rt.admit_request("req", spec)
-    with rt.hunyuan_forward("req", phase="prefill", prefix_capacity=8, attention_mask=spec.padded_mask(8)):
+    rt.admit("req", spec)
+    with rt.forward("req", "prefill", prefix_capacity=8, attention_mask=spec.padded_mask(8)):
         pass
-    rt.admit_request("done", HunyuanSpec((2,), 3))
-    rt.finish_request("done")
-    with rt.dreamzero_forward("live", commit=False) as active:
+    rt.admit("done", HunyuanSpec((2,), 3))
+    rt.release("done")
+    with rt.forward("live", "denoise") as active:
         meta = active.meta
     g = torch.Generator().manual_seed(0)
     rt.pool.tensor.copy_(torch.randn(rt.pool.tensor.shape, generator=g))
@@ -102,19 +101,19 @@ def test_the_worlds_op_call_is_valid():
 
 
 def _plan_live(w):
-    return w.rt.scheduler.plan_dreamzero("live", commit=True)
+    return w.rt.scheduler.plan("live", "commit")
 
 
 def _stale_plan(rt):
     """A commit plan that already ran: replaying it would write into blocks it no longer owns."""
-    plan = rt.scheduler.plan_dreamzero("live", commit=True)
-    with rt.forward(plan):
+    plan = rt.scheduler.plan("live", "commit")
+    with rt.forward_plan(plan):
         pass
     return plan
 
 
 def _fill_pool(w):
-    w.rt.admit_request("hog", HunyuanSpec((B * w.rt.scheduler.allocator.num_free,), 4))
+    w.rt.admit("hog", HunyuanSpec((B * w.rt.scheduler.allocator.num_free,), 4))
 
 
 # (id, call(world), error type, message pattern, setup(world) run before the "before" snapshot or None)
@@ -174,44 +173,44 @@ CASES = [
     ("pool: integer dtype", lambda w: PagedKVRuntime(PagedKVConfig(**BASE, dtype=torch.int32)), ConfigError,
      r"the pool dtype must be a floating type, got torch.int32", None),
     # -- DreamZero sessions -----------------------------------------------------------------------------------
-    ("session: one window can never fit the pool", lambda w: w.rt.open_session(
+    ("session: one window can never fit the pool", lambda w: w.rt.admit(
         "big", DreamZeroSpec(frame_seqlen=4, chunk_frames=1, window_frames=13)), CapacityError,
      r"one full window needs 26 blocks per layer \(2 rows x 13\) but the whole pool has 24: it can never fit", None),
-    ("session: a forward larger than the scratch", lambda w: w.rt.open_session(
+    ("session: a forward larger than the scratch", lambda w: w.rt.admit(
         "wide", DreamZeroSpec(frame_seqlen=4, chunk_frames=4, window_frames=5, action_tokens=8)), ConfigError,
      r"a forward needs 6 scratch blocks per row but the pool has 5; raise scratch_tokens_per_row", None),
-    ("session: reusing an aborted id", lambda w: w.rt.open_session("gone", DZ), RequestError,
+    ("session: reusing an aborted id", lambda w: w.rt.admit("gone", DZ), RequestError,
      r"id 'gone' was already used and is aborted; ids are single-use: pick a new one", None),
-    ("session: forward of an aborted session", lambda w: w.rt.dreamzero_forward("gone", commit=False), RequestError,
-     r"id 'gone' is aborted; open/admit a new one to continue", None),
-    ("session: reset of a request id", lambda w: w.rt.reset_window("req"), RequestError,
-     r"id 'req' is a hunyuan_image3 request, not a dreamzero one", None),
-    ("session: commit with the pool full", lambda w: w.rt.dreamzero_forward("live", commit=True), CapacityError,
+    ("session: forward of an aborted session", lambda w: w.rt.forward("gone", "denoise"), RequestError,
+     r"id 'gone' is aborted; admit a new one to continue", None),
+    ("session: a DreamZero kind on a request id", lambda w: w.rt.forward("req", "commit"), RequestError,
+     r"unknown phase 'commit'; use 'prefill' or 'step'", None),
+    ("session: commit with the pool full", lambda w: w.rt.forward("live", "commit"), CapacityError,
      r"needs 2 free blocks per layer, 0 are free; retry after other requests finish", _fill_pool),
-    ("session: planning while another forward is in flight", lambda w: w.rt.scheduler.plan_hunyuan(
-        "req", phase="step", prefix_capacity=8), RequestError,
+    ("session: planning while another forward is in flight", lambda w: w.rt.scheduler.plan(
+        "req", "step", prefix_capacity=8), RequestError,
      r"a forward for 'live' is still in flight; finish or abort it before changing state", _plan_live),
     # -- HunyuanImage-3 requests ------------------------------------------------------------------------------
-    ("request: target span of 0 tokens", lambda w: w.rt.admit_request("x", HunyuanSpec((4,), 0)), RequestError,
+    ("request: target span of 0 tokens", lambda w: w.rt.admit("x", HunyuanSpec((4,), 0)), RequestError,
      r"prefix lengths and target_len must be >= 1", None),
-    ("request: full span outside the target", lambda w: w.rt.admit_request("x", HunyuanSpec((4,), 6, ((3, 9),))),
+    ("request: full span outside the target", lambda w: w.rt.admit("x", HunyuanSpec((4,), 6, ((3, 9),))),
      RequestError, r"full span \(3, 9\) must lie inside the target span \[0, 6\)", None),
-    ("request: unknown phase", lambda w: w.rt.hunyuan_forward("req", phase="decode", prefix_capacity=8),
+    ("request: unknown phase", lambda w: w.rt.forward("req", "decode", prefix_capacity=8),
      RequestError, r"unknown phase 'decode'; use 'prefill' or 'step'", None),
-    ("request: finish of a session id", lambda w: w.rt.finish_request("live"), RequestError,
-     r"id 'live' is a dreamzero session, not a hunyuan_image3 one", None),
+    ("request: a HunyuanImage-3 kind on a session id", lambda w: w.rt.forward("live", "step", prefix_capacity=8),
+     RequestError, r"unknown DreamZero forward kind 'step'; use 'commit' or 'denoise'", None),
     ("request: abort of an unknown id", lambda w: w.rt.abort("nobody"), RequestError,
-     r"unknown id 'nobody'; open a session or admit a request first", None),
-    ("request: abort of a finished id", lambda w: w.rt.abort("done"), RequestError, r"id 'done' is finished", None),
+     r"unknown id 'nobody'; admit it first \(runtime.admit\)", None),
+    ("request: abort of a finished id", lambda w: w.rt.abort("done"), RequestError, r"id 'done' is released", None),
     # -- forwards and buckets -----------------------------------------------------------------------------------
-    ("forward: replaying a finished plan", lambda w: w.rt.forward(w.stale).__enter__(), RequestError,
+    ("forward: replaying a finished plan", lambda w: w.rt.forward_plan(w.stale).__enter__(), RequestError,
      r"this forward plan is not the one in flight \(finished twice, or stale\)",
      lambda w: setattr(w, "stale", _stale_plan(w.rt))),
     ("forward: finishing a plan twice", lambda w: w.rt.scheduler.finish_forward(w.stale), RequestError,
      r"not the one in flight", lambda w: setattr(w, "stale", _stale_plan(w.rt))),
     ("forward: warm-up inside a forward", lambda w: w.rt.warmup_forward(Bucket(2, 6, 12)).__enter__(), RequestError,
      r"a forward is already active on this runtime; warm up between forwards",
-     lambda w: setattr(w, "ctx", w.rt.dreamzero_forward("live", commit=False)) or w.ctx.__enter__()),
+     lambda w: setattr(w, "ctx", w.rt.forward("live", "denoise")) or w.ctx.__enter__()),
 ]
 
 
@@ -222,19 +221,19 @@ def _bucketed_world():
 
 
 BUCKET_CASES = [
-    ("bucket: prompt longer than every bucket's capacity", lambda w: w.rt.hunyuan_prefix_capacity([9], 6),
+    ("bucket: prompt longer than every bucket's capacity", lambda w: prefix_capacity_for(w.rt.config.buckets, [9], 6),
      RequestError, r"no configured step bucket with rows=1, tokens=6 and context >= 9; add one", None),
-    ("bucket: token count beyond every bucket", lambda w: w.rt.hunyuan_prefix_capacity([5], 7), RequestError,
+    ("bucket: token count beyond every bucket", lambda w: prefix_capacity_for(w.rt.config.buckets, [5], 7), RequestError,
      r"no configured step bucket with rows=1, tokens=7", None),
-    ("bucket: 2-row request on 1-row buckets", lambda w: w.rt.hunyuan_prefix_capacity([5, 5], 6), RequestError,
+    ("bucket: 2-row request on 1-row buckets", lambda w: prefix_capacity_for(w.rt.config.buckets, [5, 5], 6), RequestError,
      r"no configured step bucket with rows=2, tokens=6", None),
     ("bucket: warm-up of an unconfigured bucket", lambda w: w.rt.warmup_forward(Bucket(1, 7, 8)).__enter__(),
      RequestError, r"cannot warm up bucket Bucket\(rows=1, tokens=7, context=8\): not configured", None),
-    ("bucket: forward outside the buckets", lambda w: w.rt.hunyuan_forward("r", phase="prefill", prefix_capacity=5,
+    ("bucket: forward outside the buckets", lambda w: w.rt.forward("r", "prefill", prefix_capacity=5,
                                                                              attention_mask=HunyuanSpec((5,), 6)
                                                                              .padded_mask(5)).__enter__(), RequestError,
      r"no configured bucket for rows=1, tokens=11, context=5; configured: .* Pad the forward",
-     lambda w: w.rt.admit_request("r", HunyuanSpec((5,), 6))),
+     lambda w: w.rt.admit("r", HunyuanSpec((5,), 6))),
 ]
 
 
@@ -267,12 +266,12 @@ def test_the_refused_cases_leave_a_usable_runtime():
         if setup is None and not name.startswith(("config", "pool")):
             with pytest.raises(exc):
                 call(w)
-    with w.rt.dreamzero_forward("live", commit=True):
+    with w.rt.forward("live", "commit"):
         pass
-    with w.rt.hunyuan_forward("req", phase="step", prefix_capacity=8):
+    with w.rt.forward("req", "step", prefix_capacity=8):
         pass
-    w.rt.close_session("live")
-    w.rt.finish_request("req")
+    w.rt.release("live")
+    w.rt.release("req")
     assert w.rt.scheduler.allocator.num_free == w.rt.pool.blocks_per_layer
 
 
@@ -280,11 +279,11 @@ def test_a_nested_forward_is_refused_without_touching_the_outer_one():
     """The inner refusal must not roll back the outer forward's plan (it is not the inner call's to abort)."""
     rt = make_world().rt
     version = rt.state()["versions"]["live"]
-    plan = rt.scheduler.plan_dreamzero("live", commit=True)
-    with rt.forward(plan):
+    plan = rt.scheduler.plan("live", "commit")
+    with rt.forward_plan(plan):
         inside, pool = rt.state(), rt.pool.tensor.clone()
         with pytest.raises(RequestError, match=r"a forward is already active on this runtime; forwards do not nest"):
-            with rt.forward(plan):
+            with rt.forward_plan(plan):
                 pass
         assert rt.state() == inside and torch.equal(rt.pool.tensor, pool)
     assert rt.state()["versions"]["live"] == version + 1, "the outer commit went through"
@@ -293,7 +292,7 @@ def test_a_nested_forward_is_refused_without_touching_the_outer_one():
 
 # ---- the library's loop drivers ----------------------------------------------------------------------------------
 def test_a_request_no_bucket_can_serve_is_refused_before_it_holds_blocks():
-    """`paged_hunyuan_generate` used to admit first and then fail to find a bucket: the request kept its blocks."""
+    """`paged_run` (HunyuanImage-3) used to admit first and then fail to find a bucket: the request kept its blocks."""
     cfg = HunyuanImage3Config(num_layers=2, image_h=2, image_w=2)
     T = cfg.target_len
     rt = PagedKVRuntime(hunyuan_runtime_config(cfg, max_prefix=8, block_size=4, buckets=(Bucket(1, 8 + T, 8),
@@ -303,9 +302,9 @@ def test_a_request_no_bucket_can_serve_is_refused_before_it_holds_blocks():
     for prompts, pattern in (([torch.arange(9)], r"rows=1, tokens=\d+ and context >= 9"),
                              ([torch.arange(3), torch.arange(4)], r"rows=2")):
         with pytest.raises(RequestError, match=r"no configured step bucket with " + pattern):
-            paged_hunyuan_generate(model, rt, prompts, request_id="r", num_steps=2)
+            paged_run(model, rt, prompts=prompts, owner_id="r", num_steps=2)
         assert rt.state() == before and torch.equal(rt.pool.tensor, pool)
-    paged_hunyuan_generate(model, rt, [torch.arange(5)], request_id="r", num_steps=2)  # the id is still unused
+    paged_run(model, rt, prompts=[torch.arange(5)], owner_id="r", num_steps=2)  # the id is still unused
 
 
 def test_a_request_the_model_rejects_gives_back_its_blocks():
@@ -315,17 +314,17 @@ def test_a_request_the_model_rejects_gives_back_its_blocks():
     rt = PagedKVRuntime(hunyuan_runtime_config(cfg, max_prefix=8, block_size=4))
     before, pool = rt.state(), rt.pool.tensor.clone()
     with pytest.raises(ValueError, match=r"prompt token ids must lie in \[0, 64\)"):
-        paged_hunyuan_generate(HunyuanImage3Model(cfg, seed=0), rt, [torch.tensor([3, 99])], request_id="r")
+        paged_run(HunyuanImage3Model(cfg, seed=0), rt, prompts=[torch.tensor([3, 99])], owner_id="r")
     assert rt.state() == {**before, "finished": {"r": "aborted"}}
     assert torch.equal(rt.pool.tensor, pool)
 
 
 def test_a_dreamzero_rollout_under_a_live_id_is_refused_without_change():
     rt = _dz_runtime()
-    rt.open_session("s", DreamZeroSpec.from_model_config(TINY_DZ), rows=2)
+    rt.admit("s", DreamZeroSpec.from_model_config(TINY_DZ), rows=2)
     before = rt.state()
     with pytest.raises(RequestError, match=r"id 's' is already live; finish or close it first, or use a new id"):
-        paged_dreamzero_rollout(DreamZeroModel(TINY_DZ, seed=0), rt, session_id="s", num_chunks=1)
+        paged_run(DreamZeroModel(TINY_DZ, seed=0), rt, owner_id="s", num_chunks=1)
     assert rt.state() == before
 
 
@@ -385,12 +384,12 @@ def _dz_compiled(cfg=TINY_DZ, options=None, dtype=torch.float32, **runtime_over)
     rt = _dz_runtime(cfg, **runtime_over)
     rt.bind(model.blocks)
     compile_blocks(model.blocks, CountingBackend(options or {}))
-    rt.open_session("s", DreamZeroSpec.from_model_config(cfg), rows=2)
+    rt.admit("s", DreamZeroSpec.from_model_config(cfg), rows=2)
     return model, rt
 
 
 def _commit_once(model, rt, inputs):
-    with rt.dreamzero_forward("s", commit=True):
+    with rt.forward("s", "commit"):
         for block in model.blocks:
             block(*inputs)
 
@@ -410,9 +409,9 @@ def _refused_forward(rt, plan_forward, body, exc, pattern):
 def test_cfg_rows_of_the_batch_must_match_the_session(session_rows, batch_rows):
     model, rt = _dz_compiled()
     _commit_once(model, rt, _block_inputs(model, rt))
-    rt.open_session("t", DreamZeroSpec.from_model_config(TINY_DZ), rows=session_rows)
+    rt.admit("t", DreamZeroSpec.from_model_config(TINY_DZ), rows=session_rows)
     inputs = _block_inputs(model, rt, rows=batch_rows)
-    _refused_forward(rt, lambda: rt.dreamzero_forward("t", commit=True), lambda: model.blocks[0](*inputs),
+    _refused_forward(rt, lambda: rt.forward("t", "commit"), lambda: model.blocks[0](*inputs),
                      RequestError, rf"compiled for bucket Bucket\(rows={batch_rows}, .* but the active forward is "
                                    rf"bucket Bucket\(rows={session_rows}, .*do not match the runtime's plan")
 
@@ -427,17 +426,17 @@ def test_a_block_of_another_bucket_than_the_active_forward_is_refused():
     compile_blocks(model.layers, CountingBackend())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab, (n,), generator=g) for n in (7, 4)]
-    rt.admit_request("r", hunyuan_spec(cfg, prompts))
+    rt.admit("r", hunyuan_spec(cfg, prompts))
     req = model.build_request(prompts, 8)
     caches = PagedHooks(rt, "r").caches(model, 2, prefix_capacity=8)
     target = model.embed_target(torch.randn(2, cfg.image_tokens, cfg.latent_channels, generator=g), torch.zeros(2))
-    with rt.hunyuan_forward("r", phase="prefill", prefix_capacity=8, attention_mask=req.attention_mask):
+    with rt.forward("r", "prefill", prefix_capacity=8, attention_mask=req.attention_mask):
         model(torch.cat([req.prefix_embeds, target], 1), req.rope_cos, req.rope_sin, req.attention_mask, caches,
               req.prefix_valid, "prefill")
     step = (target, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, caches, req.prefix_valid, "step")
-    with rt.hunyuan_forward("r", phase="step", prefix_capacity=8):
+    with rt.forward("r", "step", prefix_capacity=8):
         model(*step)  # compiles the step graph
-    _refused_forward(rt, lambda: rt.hunyuan_forward("r", phase="prefill", prefix_capacity=8,
+    _refused_forward(rt, lambda: rt.forward("r", "prefill", prefix_capacity=8,
                                                         attention_mask=req.attention_mask), lambda: model(*step),
                      RequestError, r"compiled for bucket Bucket\(rows=2, tokens=\d+, context=8\) but the active "
                                    r"forward is bucket Bucket\(rows=2, tokens=\d+, context=8\).*stale metadata")
@@ -450,14 +449,14 @@ def test_a_dreamzero_site_inside_a_hunyuan_forward_is_refused():
     _commit_once(model, rt, inputs)
     cfg = TINY_DZ
     spec = HunyuanSpec((cfg.max_attention_size,) * 2, cfg.tokens_per_forward)
-    rt.admit_request("h", spec)
-    with rt.hunyuan_forward("h", phase="prefill", prefix_capacity=cfg.max_attention_size,
-                            attention_mask=spec.padded_mask(cfg.max_attention_size)):
+    rt.admit("h", spec)
+    with rt.forward("h", "prefill", prefix_capacity=cfg.max_attention_size,
+                    attention_mask=spec.padded_mask(cfg.max_attention_size)):
         pass
-    _refused_forward(rt, lambda: rt.hunyuan_forward("h", phase="step", prefix_capacity=cfg.max_attention_size),
+    _refused_forward(rt, lambda: rt.forward("h", "step", prefix_capacity=cfg.max_attention_size),
                      lambda: model.blocks[0](*inputs), RequestError,
-                     r"a dreamzero attention site ran inside a hunyuan_image3 forward \('h'\); plan the forward with "
-                     r"the matching family helper")
+                     r"a 'window' attention site ran inside a hunyuan_image3 forward \('h'\), whose family accepts "
+                     r"the idioms \['prefill-store', 'prefix-step', 'static-cache'\]")
 
 
 def test_a_session_spec_that_disagrees_with_the_model_is_refused():
@@ -465,10 +464,10 @@ def test_a_session_spec_that_disagrees_with_the_model_is_refused():
     inputs = _block_inputs(model, rt)
     _commit_once(model, rt, inputs)
     wrong = DreamZeroSpec(frame_seqlen=16, chunk_frames=2, window_frames=6, sink_frames=1, action_tokens=5)
-    rt.open_session("t", wrong, rows=2)
-    _refused_forward(rt, lambda: rt.dreamzero_forward("t", commit=True), lambda: model.blocks[0](*inputs),
+    rt.admit("t", wrong, rows=2)
+    _refused_forward(rt, lambda: rt.forward("t", "commit"), lambda: model.blocks[0](*inputs),
                      RequestError, r"the compiled DreamZero site and session 't' disagree on sink_tokens \(graph 0, "
-                                   r"session 16\): open the session with DreamZeroSpec.from_model_config")
+                                   r"session 16\): admit the session with DreamZeroSpec.from_model_config")
 
 
 def test_a_graph_compiled_against_another_pool_geometry_is_refused():
@@ -477,9 +476,9 @@ def test_a_graph_compiled_against_another_pool_geometry_is_refused():
     rt.close()
     rt2 = _dz_runtime(sessions=3)  # a bigger pool
     rt2.bind(model.blocks)
-    rt2.open_session("s", DreamZeroSpec.from_model_config(TINY_DZ), rows=2)
+    rt2.admit("s", DreamZeroSpec.from_model_config(TINY_DZ), rows=2)
     inputs = _block_inputs(model, rt2)
-    _refused_forward(rt2, lambda: rt2.dreamzero_forward("s", commit=False), lambda: model.blocks[0](*inputs),
+    _refused_forward(rt2, lambda: rt2.forward("s", "denoise"), lambda: model.blocks[0](*inputs),
                      RequestError, r"compiled against another pool geometry; compile again for this runtime")
 
 
@@ -493,13 +492,13 @@ def test_weights_swapped_between_layers_after_binding_are_refused_then_rebinding
     for m in (model, dense):
         a, b = m.blocks[0].self_attn.qkv, m.blocks[1].self_attn.qkv
         a.weight, b.weight = b.weight, a.weight
-    _refused_forward(rt, lambda: rt.dreamzero_forward("s", commit=False), lambda: model.blocks[0](*inputs),
+    _refused_forward(rt, lambda: rt.forward("s", "denoise"), lambda: model.blocks[0](*inputs),
                      BindingError, r"bound as 'self_attn.qkv.weight' of layer 1, but that layer no longer holds it "
                                    r"\(weights swapped, replaced or re-loaded after binding\): call runtime.bind")
     rt.bind(model.blocks)  # the fix the message names: layer 0 is now the layer holding that weight
-    rt.open_session("fresh", DreamZeroSpec.from_model_config(TINY_DZ), rows=2)
+    rt.admit("fresh", DreamZeroSpec.from_model_config(TINY_DZ), rows=2)
     x, e, cos, sin, standin, cross = inputs
-    with rt.dreamzero_forward("fresh", commit=False):
+    with rt.forward("fresh", "denoise"):
         got = [model.blocks[i](x, e, cos, sin, standin, cross)[0] for i in range(2)]
     empty = torch.zeros(2, 2, 0, TINY_DZ.num_heads, TINY_DZ.head_dim)
     want = [dense.blocks[i](x, e, cos, sin, empty, cross)[0] for i in range(2)]
@@ -513,7 +512,7 @@ def test_weights_moved_in_place_after_binding_are_refused():
     _commit_once(model, rt, inputs)
     weight = model.blocks[1].self_attn.qkv.weight
     weight.data = weight.data.clone()  # same Parameter object, new storage (e.g. a manual re-load)
-    _refused_forward(rt, lambda: rt.dreamzero_forward("s", commit=False), lambda: model.blocks[1](*inputs),
+    _refused_forward(rt, lambda: rt.forward("s", "denoise"), lambda: model.blocks[1](*inputs),
                      BindingError, r"that no live runtime has bound: call runtime.bind\(layers\) with this model's "
                                    r"layers \(again, if the weights were moved")
 
@@ -521,14 +520,14 @@ def test_weights_moved_in_place_after_binding_are_refused():
 def test_a_model_whose_heads_do_not_match_the_pool_is_refused_at_compile_time():
     model, rt = _dz_compiled(num_kv_heads=2)  # the model has 4 heads per layer
     inputs = _block_inputs(model, rt)
-    _refused_forward(rt, lambda: rt.dreamzero_forward("s", commit=False), lambda: model.blocks[0](*inputs),
+    _refused_forward(rt, lambda: rt.forward("s", "denoise"), lambda: model.blocks[0](*inputs),
                      OpInputError, r"key has shape \(2, 37, 4, 16\), expected \[R, T, Hkv, D\] = \(2, 37, 2, 16\)")
 
 
 def test_a_model_in_another_dtype_than_the_pool_is_refused_at_compile_time():
     model, rt = _dz_compiled(dtype=torch.float64)  # the pool is float32
     inputs = _block_inputs(model, rt, dtype=torch.float64)
-    _refused_forward(rt, lambda: rt.dreamzero_forward("s", commit=False), lambda: model.blocks[0](*inputs),
+    _refused_forward(rt, lambda: rt.forward("s", "denoise"), lambda: model.blocks[0](*inputs),
                      OpInputError, r"kv_pool is torch.float32 but query is torch.float64; .*cast them to the pool's "
                                    r"dtype")
 
@@ -536,7 +535,7 @@ def test_a_model_in_another_dtype_than_the_pool_is_refused_at_compile_time():
 def test_a_kernel_this_machine_cannot_run_is_refused_at_the_first_forward():
     model, rt = _dz_compiled(kernel="flash_attn")
     inputs = _block_inputs(model, rt)
-    _refused_forward(rt, lambda: rt.dreamzero_forward("s", commit=False), lambda: model.blocks[0](*inputs),
+    _refused_forward(rt, lambda: rt.forward("s", "denoise"), lambda: model.blocks[0](*inputs),
                      KernelUnavailableError, r"kernel='flash_attn' .* runs on CUDA tensors, got cpu; use "
                                              r"kernel='reference' or 'triton'")
 
@@ -565,7 +564,7 @@ def test_a_model_of_an_unsupported_family_is_refused_in_strict_mode():
     layer.compile(backend=CountingBackend({"strict": True}), fullgraph=True, dynamic=False)
     before, pool = rt.state(), rt.pool.tensor.clone()
     cache = rt.standin(1, 8, 2, 8)
-    with raises_paged(PassError, r"cannot be rewritten: dreamzero: history does not come from a \(2, B, L, H, D\) "
-                                 r"cache stand-in; hunyuan_image3: is_causal=True is not HunyuanImage-3's layout"):
+    with raises_paged(PassError, r"cannot be rewritten: window: history does not come from a \(2, B, L, H, D\) "
+                                 r"cache stand-in; .*prefix-step: is_causal=True is not a prefix idiom"):
         layer(torch.randn(1, 4, 16), cache, cache)
     assert rt.state() == before and torch.equal(rt.pool.tensor, pool)

@@ -20,20 +20,14 @@ import torch
 from helpers import CountingBackend, compile_blocks
 
 from paged_kv_compile import CapacityError, RequestError
-from paged_kv_compile.driver import (
-    PagedHooks,
-    dreamzero_runtime_config,
-    hunyuan_runtime_config,
-    hunyuan_spec,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
-)
+from paged_kv_compile.driver import PagedHooks, paged_run
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec
 from paged_kv_compile import models
 from paged_kv_compile.metadata import BucketMetadata
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 ATOL = 1e-5  # paged vs dense
 RETRY_ATOL = 1e-6  # paged vs paged (a retried run vs a clean run): in practice bit-exact
@@ -230,7 +224,7 @@ class FaultyBlock(torch.nn.Module):
 
 
 def dz_session(rt, model, sid, **kw):
-    rt.open_session(sid, DreamZeroSpec.from_model_config(model.cfg), rows=2)
+    rt.admit(sid, DreamZeroSpec.from_model_config(model.cfg), rows=2)
     return dreamzero_steps(model, PagedHooks(rt, sid), **kw)
 
 
@@ -238,7 +232,7 @@ def clean_dreamzero(model, num_chunks, steps, seed, **runtime_kw):
     """`model`'s session on a fresh runtime of the same geometry, closed afterwards: the reference result."""
     model, rt = paged_dreamzero(model, **runtime_kw)
     out = run_to_end(dz_session(rt, model, "clean", num_chunks=num_chunks, steps=steps, seed=seed))
-    rt.close_session("clean")
+    rt.release("clean")
     rt.close()
     return out
 
@@ -267,7 +261,7 @@ def test_dreamzero_fault_inside_a_forward_rolls_back_and_the_retry_is_exact(exc)
     got = run_to_end(dz_session(rt, model, "s", num_chunks=6, steps=2, seed=3, retries=2), check)
     assert faulty.failed_kinds == ["commit", "denoise", "denoise"] and check.rollbacks == 3
     assert same(got["video"], want["video"]) and same(got["actions"], want["actions"])
-    rt.close_session("s")
+    rt.release("s")
     assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
 
 
@@ -276,28 +270,28 @@ def test_hunyuan_fault_inside_a_forward_rolls_back_and_the_retry_is_exact(fail_o
     p = prompts([9, 5], seed=1)
     model, rt = paged_hunyuan()
     spec = hunyuan_spec(HY_CFG, p)
-    rt.admit_request("clean", spec)
+    rt.admit("clean", spec)
     want = run_to_end(hunyuan_steps(model, PagedHooks(rt, "clean"), p, prefix_capacity=HY_CAPACITY, num_steps=4,
                                     seed=2))
-    rt.finish_request("clean")
+    rt.release("clean")
     dense = hunyuan_generate(HunyuanImage3Model(HY_CFG, seed=2), p, prefix_capacity=HY_CAPACITY, num_steps=4, seed=2)
     assert same(want, dense, ATOL)
 
     rt.close()
     model2, rt2 = paged_hunyuan(model)
     model2.layers[1] = faulty = FaultyBlock(model2.layers[1], rt2, fail_on=fail_on)
-    rt2.admit_request("r", spec)
+    rt2.admit("r", spec)
     check = Checkpoints(rt2)
     got = run_to_end(hunyuan_steps(model2, PagedHooks(rt2, "r"), p, prefix_capacity=HY_CAPACITY, num_steps=4,
                                    seed=2, retries=2), check)
     assert check.rollbacks == len(fail_on) and faulty.failed_kinds[0] == ("prefill" if fail_on == (1,) else "step")
     assert same(got, want)
-    rt2.finish_request("r")
+    rt2.release("r")
     assert rt2.scheduler.allocator.num_free == rt2.pool.blocks_per_layer
 
 
 def test_a_fault_ends_the_request_cleanly_and_a_retry_on_the_same_runtime_is_exact():
-    """Request-level retry with the library's own helpers: the failed session/request is closed/aborted,
+    """Request-level retry with the library's own helpers: the failed session/request is aborted,
     every block is free, and running it again under a new id gives the clean result."""
     model, rt = paged_dreamzero()
     rt.close()
@@ -307,23 +301,23 @@ def test_a_fault_ends_the_request_cleanly_and_a_retry_on_the_same_runtime_is_exa
     original = model.blocks[2]
     model.blocks[2] = FaultyBlock(original, rt, fail_on=(6,))  # the second commit
     with pytest.raises(InjectedFault):
-        paged_dreamzero_rollout(model, rt, session_id="a", num_chunks=5, num_inference_steps=2, seed=7)
-    assert rt.state() == {**initial, "finished": {"a": "closed"}}
+        paged_run(model, rt, owner_id="a", num_chunks=5, num_inference_steps=2, seed=7)
+    assert rt.state() == {**initial, "finished": {"a": "aborted"}}
     model.blocks[2] = original
-    got = paged_dreamzero_rollout(model, rt, session_id="b", num_chunks=5, num_inference_steps=2, seed=7)
+    got = paged_run(model, rt, owner_id="b", num_chunks=5, num_inference_steps=2, seed=7)
     assert same(got["video"], want["video"]) and same(got["actions"], want["actions"])
 
     p = prompts([6, 10], seed=3)
     hy, rt2 = paged_hunyuan()
-    want = paged_hunyuan_generate(hy, rt2, p, request_id="clean", prefix_capacity=HY_CAPACITY, num_steps=3, seed=1)
+    want = paged_run(hy, rt2, prompts=p, owner_id="clean", prefix_capacity=HY_CAPACITY, num_steps=3, seed=1)
     initial = rt2.state()
     layer = hy.layers[0]
     hy.layers[0] = FaultyBlock(layer, rt2, fail_on=(2,))  # the first step after prefill
     with pytest.raises(InjectedFault):
-        paged_hunyuan_generate(hy, rt2, p, request_id="bad", prefix_capacity=HY_CAPACITY, num_steps=3, seed=1)
+        paged_run(hy, rt2, prompts=p, owner_id="bad", prefix_capacity=HY_CAPACITY, num_steps=3, seed=1)
     assert rt2.state() == {**initial, "finished": {**initial["finished"], "bad": "aborted"}}
     hy.layers[0] = layer
-    got = paged_hunyuan_generate(hy, rt2, p, request_id="again", prefix_capacity=HY_CAPACITY, num_steps=3, seed=1)
+    got = paged_run(hy, rt2, prompts=p, owner_id="again", prefix_capacity=HY_CAPACITY, num_steps=3, seed=1)
     assert torch.equal(got, want)
 
 
@@ -360,8 +354,8 @@ def test_a_metadata_build_that_fails_half_way_never_serves_another_sessions_layo
     assert not armed["on"], "the fault was injected"
     assert same(out_a["video"], want_a["video"]), "A read another session's layout"
     assert same(out_b["video"], want_b["video"])
-    rt.close_session("A")
-    rt.close_session("B")
+    rt.release("A")
+    rt.release("B")
     assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
 
 
@@ -389,31 +383,31 @@ def test_commit_without_room_for_every_row_takes_nothing_and_waits():
         if event[0] == "blocked":
             assert rt.scheduler.allocator.num_free == 1
             assert [len(r) for r in rt.scheduler.owned_blocks()["B"]] == [1, 1], "neither row took a block"
-            rt.close_session("A")  # capacity comes back
+            rt.release("A")  # capacity comes back
 
     b_result = run_to_end(b, on_yield)
     assert events.count(("blocked", "commit")) == 1 and check.rollbacks == 1
     assert same(out_a["video"], want_a["video"]) and same(b_result["video"], want_b["video"])
-    rt.close_session("B")
+    rt.release("B")
     assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
 
 
 def test_two_row_admission_with_room_for_one_row_admits_neither_then_succeeds_exactly():
     p_big, p_new = prompts([10, 10], seed=4), prompts([8, 9], seed=5)
     model, rt = paged_hunyuan(blocks_per_layer=3 + 3 + 2)  # the first request (3 + 3 blocks) leaves 2 free
-    rt.admit_request("first", hunyuan_spec(HY_CFG, p_big))
+    rt.admit("first", hunyuan_spec(HY_CFG, p_big))
     before, kv = rt.state(), owned_kv(rt)
     with pytest.raises(CapacityError, match="needs 5 free blocks per layer, 2 are free"):
-        rt.admit_request("second", hunyuan_spec(HY_CFG, p_new))  # row 0 (2 blocks) would fit, row 1 (3) not
+        rt.admit("second", hunyuan_spec(HY_CFG, p_new))  # row 0 (2 blocks) would fit, row 1 (3) not
     assert rt.state() == before
     assert_kv_equal(owned_kv(rt), kv)
     first = run_to_end(hunyuan_steps(model, PagedHooks(rt, "first"), p_big, prefix_capacity=HY_CAPACITY,
                                      num_steps=2, seed=0))
-    rt.finish_request("first")
-    rt.admit_request("second", hunyuan_spec(HY_CFG, p_new))  # the id was refused, never used: still valid
+    rt.release("first")
+    rt.admit("second", hunyuan_spec(HY_CFG, p_new))  # the id was refused, never used: still valid
     second = run_to_end(hunyuan_steps(model, PagedHooks(rt, "second"), p_new, prefix_capacity=HY_CAPACITY,
                                       num_steps=2, seed=0))
-    rt.finish_request("second")
+    rt.release("second")
     dense = HunyuanImage3Model(HY_CFG, seed=2)
     assert same(first, hunyuan_generate(dense, p_big, prefix_capacity=HY_CAPACITY, num_steps=2, seed=0), ATOL)
     assert same(second, hunyuan_generate(dense, p_new, prefix_capacity=HY_CAPACITY, num_steps=2, seed=0), ATOL)
@@ -469,7 +463,7 @@ def test_allocator_failure_during_a_multi_row_allocation_changes_nothing():
     flaky.fail_next = True
     before = rt.state()
     with pytest.raises(CapacityError, match="taken by another user"):
-        rt.admit_request("r", hunyuan_spec(HY_CFG, prompts([3, 3])))
+        rt.admit("r", hunyuan_spec(HY_CFG, prompts([3, 3])))
     assert rt.state() == before
 
 
@@ -488,11 +482,11 @@ def test_vllm_block_pool_multi_row_exhaustion_rolls_back_every_row():
     assert rt.state() == check.state, "the refused 2-row commit took nothing"
     assert_kv_equal(owned_kv(rt), check.kv)
     rt.abort("B")
-    rt.close_session("A")
+    rt.release("A")
     assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
     got = run_to_end(dz_session(rt, model, "C", num_chunks=3, steps=2, seed=41))
     assert same(got["video"], want["video"])
-    rt.close_session("C")
+    rt.release("C")
 
 
 # ---- aborts and evictions between forwards -------------------------------------------------------------------
@@ -542,20 +536,20 @@ def test_aborting_a_session_during_its_denoising_steps_frees_it_and_leaves_other
             assert "B" not in rt.scheduler.owners and rt.scheduler.finished["B"] == "aborted"
             assert_no_leak(rt)
 
-    rt.open_session("A", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
+    rt.admit("A", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
     got_a = dreamzero_rollout(model, num_chunks=6, num_inference_steps=2, seed=51,
                               hooks=DrivingHooks(rt, "A", between))
-    rt.close_session("A")
+    rt.release("A")
     assert log["aborted"] > 0
     assert same(got_a["video"], want_a["video"]), "A's numbers depend on nothing B did"
     assert same(got_a["actions"], want_a["actions"])
     assert len(out_b["video"]) == 2
     assert same(out_b["video"], dense_b["video"][:2], ATOL), "B's finished chunks are its own"
     with pytest.raises(RequestError, match="'B' is aborted"):
-        rt.scheduler.plan_dreamzero("B", commit=False)
+        rt.scheduler.plan("B", "denoise")
     got_c = run_to_end(dz_session(rt, model, "C", num_chunks=3, steps=2, seed=53))
     assert same(got_c["video"], dense_c["video"], ATOL)
-    rt.close_session("C")
+    rt.release("C")
     assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
 
 
@@ -582,18 +576,18 @@ def test_lru_eviction_between_forwards_ends_only_the_evicted_session():
     partial = outs[61]["video"]
     assert same(partial, want[61]["video"][: len(partial)], ATOL)
     for sid in ("s62", "s63"):
-        rt.close_session(sid)
+        rt.release(sid)
     assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
 
 
 def test_abort_is_refused_while_another_forward_is_in_flight():
     model, rt = paged_dreamzero(sessions=2)
     for sid in ("A", "B"):
-        rt.open_session(sid, DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
-    with rt.dreamzero_forward("A", commit=True):
+        rt.admit(sid, DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
+    with rt.forward("A", "commit"):
         before = rt.state()
-        for call in (lambda: rt.abort("B"), lambda: rt.abort("A"), lambda: rt.close_session("B"),
-                     lambda: rt.reset_window("B")):
+        for call in (lambda: rt.abort("B"), lambda: rt.abort("A"), lambda: rt.release("B"),
+                     lambda: rt.reset("B")):
             with pytest.raises(RequestError, match="still in flight; finish or abort it before changing state"):
                 call()
             assert rt.state() == before

@@ -25,12 +25,9 @@ import torch.nn.functional as F
 from helpers import CountingBackend, compile_blocks, hunyuan_qkv, raises_paged
 
 from paged_kv_compile import PassError
-from paged_kv_compile.driver import (
-    dreamzero_runtime_config,
-    hunyuan_runtime_config,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
-)
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config
 from paged_kv_compile.models import dreamzero as dz
 from paged_kv_compile.models import hunyuan_image3 as hy
 from paged_kv_compile.models.common import apply_rope_2d, apply_rope_3d
@@ -371,7 +368,7 @@ def run_dreamzero(monkeypatch, forward, options, cfg=DZ_CFG, num_chunks=6):
     backend = CountingBackend(options)
     compile_blocks(model.blocks, backend)
     try:
-        paged = paged_dreamzero_rollout(model, rt, num_chunks=num_chunks, num_inference_steps=2, seed=2)
+        paged = paged_run(model, rt, num_chunks=num_chunks, num_inference_steps=2, seed=2)
     finally:
         assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer and not rt.scheduler.owners
     return dense, paged, backend, rt
@@ -390,7 +387,7 @@ def run_hunyuan(monkeypatch, forward, options):
     backend = CountingBackend(options)
     compile_blocks(model.layers, backend)
     try:
-        paged = paged_hunyuan_generate(model, rt, prompts, prefix_capacity=HY_CAPACITY, num_steps=3)
+        paged = paged_run(model, rt, prompts=prompts, prefix_capacity=HY_CAPACITY, num_steps=3)
     finally:
         assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer and not rt.scheduler.owners
     return dense, paged, backend, rt
@@ -398,14 +395,14 @@ def run_hunyuan(monkeypatch, forward, options):
 
 SUPPORTED = [
     ("dreamzero: tuple-unpacked cache, cat of a tuple at dim -3, narrow", "dz", dz_tuple_unpack_narrow, DZ_CFG,
-     "dreamzero-window"),
+     "window"),
     ("dreamzero: sink window by explicit index arithmetic", "dz", dz_explicit_sink_window, DZ_SINK_CFG,
-     "dreamzero-window"),
-    ("dreamzero: queries in another order than keys", "dz", dz_queries_in_another_order, DZ_CFG, "dreamzero-window"),
-    ("dreamzero: keyword-only SDPA with a custom scale", "dz", dz_custom_scale_keywords, DZ_CFG, "dreamzero-window"),
-    ("hunyuan: enable_gqa instead of repeat_kv", "hy", hy_enable_gqa, None, "hunyuan-"),
+     "window"),
+    ("dreamzero: queries in another order than keys", "dz", dz_queries_in_another_order, DZ_CFG, "window"),
+    ("dreamzero: keyword-only SDPA with a custom scale", "dz", dz_custom_scale_keywords, DZ_CFG, "window"),
+    ("hunyuan: enable_gqa instead of repeat_kv", "hy", hy_enable_gqa, None, "pref"),
     ("hunyuan: (B, H, S, D) concatenate, expand+flatten GQA, where-mask, slice-assigned store", "hy",
-     hy_bhsd_expand_flatten, None, "hunyuan-"),
+     hy_bhsd_expand_flatten, None, "pref"),
 ]
 
 
@@ -429,7 +426,7 @@ def test_supported_spellings_are_rewritten_and_exact(monkeypatch, case):
 UNSUPPORTED = [
     ("dreamzero: attention dropout", "dz", dz_dropout, r"attention dropout is not supported by the paged op"),
     ("dreamzero: is_causal=True on the cached keys", "dz", dz_is_causal,
-     r"dreamzero: DreamZero's window attention is non-causal and unmasked; this site has a mask or is_causal"),
+     r"window: a sliding-window attention is non-causal and unmasked; this site has a mask or is_causal"),
     ("dreamzero: a mask over the window", "dz", dz_frame_causal_mask, r"this site has a mask or is_causal"),
     ("dreamzero: cache * 0.5", "dz", dz_cache_arithmetic,
      r"a cache stand-in feeds its keys/values through computation, not only data movement"),
@@ -445,7 +442,7 @@ UNSUPPORTED = [
     ("hunyuan: prefix read after the new tokens", "hy", hy_prefix_after_new,
      r"cache history columns come after new tokens"),
     ("hunyuan: is_causal=True instead of the mask", "hy", hy_is_causal,
-     r"is_causal=True is not HunyuanImage-3's layout"),
+     r"prefix-step: is_causal=True is not a prefix idiom"),
     # The scaled prefix is read as computed tokens, so the pass sees more new keys than queries.
     ("hunyuan: prefix keys scaled by 0.5", "hy", hy_scaled_prefix,
      r"query, keys and values do not carry the same number of new tokens"),
@@ -456,7 +453,7 @@ UNSUPPORTED = [
     ("hunyuan: dropout in the prefill forward only", "hy", hy_prefill_dropout,
      r"attention dropout is not supported by the paged op"),
     ("hunyuan: the layer narrows its mask to causal", "hy", hy_own_causal_mask,
-     r"its mask is computed in the graph \(\w+: and_\), so it may differ from the request's layout"),
+     r"its mask is computed in the graph \(\w+: and_\), so it may differ from the layout the paged op uses"),
 ]
 
 

@@ -31,11 +31,12 @@ from test_reliability_faults import (
 
 from paged_kv_compile import CapacityError, RequestError
 from paged_kv_compile.config import Bucket
-from paged_kv_compile.driver import PagedHooks, dreamzero_runtime_config, hunyuan_runtime_config, hunyuan_spec
+from paged_kv_compile.driver import PagedHooks
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec, prefix_capacity_for
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 ITERS = int(os.environ.get("PAGED_KV_SOAK_ITERS", "600"))
 SEED = int(os.environ.get("PAGED_KV_SOAK_SEED", "0"))
@@ -123,9 +124,9 @@ class CountingHooks(PagedHooks):
         super().__init__(runtime, owner_id)
         self.stats = stats
 
-    def window_reset(self):
+    def reset_history(self):
         self.stats.resets += 1
-        super().window_reset()
+        super().reset_history()
 
 
 # ---- DreamZero -------------------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def test_dreamzero_soak():
     def open_one() -> None:
         sid = f"s{next(counter)}"
         before = set(rt.scheduler.owners)
-        rt.open_session(sid, spec, rows=2)
+        rt.admit(sid, spec, rows=2)
         for gone in before - set(rt.scheduler.owners):  # evicted by the LRU cap
             assert rt.scheduler.finished[gone].startswith("evicted")
             sess = live.pop(gone)
@@ -186,7 +187,7 @@ def test_dreamzero_soak():
             event = next(sess["gen"])
         except StopIteration:
             live.pop(sid)
-            rt.close_session(sid)
+            rt.release(sid)
             assert len(sess["out"]["video"]) == sess["chunks"]
             check_partial(sess)
             stats.completed += 1
@@ -256,11 +257,11 @@ def test_hunyuan_soak():
 
     def admit(req) -> bool:
         try:
-            rt.admit_request(req["rid"], hunyuan_spec(HY_CFG, req["prompts"]))
+            rt.admit(req["rid"], hunyuan_spec(HY_CFG, req["prompts"]))
         except CapacityError:
             stats.refused += 1
             return False
-        capacity = rt.hunyuan_prefix_capacity([len(p) for p in req["prompts"]], T)
+        capacity = prefix_capacity_for(rt.config.buckets, [len(p) for p in req["prompts"]], T)
         req["gen"] = hunyuan_steps(model, PagedHooks(rt, req["rid"]), req["prompts"], prefix_capacity=capacity,
                                    num_steps=req["steps"], seed=req["seed"], retries=10**6)
         live[req["rid"]] = req
@@ -275,7 +276,7 @@ def test_hunyuan_soak():
             req["last"] = next(req["gen"])[0]
         except StopIteration as stop:
             live.pop(rid)
-            rt.finish_request(rid)
+            rt.release(rid)
             want = hunyuan_generate(dense, req["prompts"], prefix_capacity=HY_CAPACITY, num_steps=req["steps"],
                                     seed=req["seed"])
             assert close_enough(stop.value, want), "another request's numbers"
@@ -331,12 +332,12 @@ def test_a_refused_admission_of_a_waiting_request_changes_nothing():
     rt = PagedKVRuntime(hunyuan_runtime_config(HY_CFG, max_prefix=HY_CAPACITY, block_size=4, requests=1))
     g = torch.Generator().manual_seed(0)
     big = [torch.randint(0, HY_CFG.vocab, (HY_CAPACITY,), generator=g) for _ in range(2)]
-    rt.admit_request("a", hunyuan_spec(HY_CFG, big))
+    rt.admit("a", hunyuan_spec(HY_CFG, big))
     before = rt.state()
     with pytest.raises(CapacityError, match="retry after other requests finish"):
-        rt.admit_request("b", hunyuan_spec(HY_CFG, big))
+        rt.admit("b", hunyuan_spec(HY_CFG, big))
     assert rt.state() == before
-    rt.finish_request("a")
-    rt.admit_request("b", hunyuan_spec(HY_CFG, big))
+    rt.release("a")
+    rt.admit("b", hunyuan_spec(HY_CFG, big))
     with pytest.raises(RequestError, match="already live"):
-        rt.admit_request("b", hunyuan_spec(HY_CFG, big))
+        rt.admit("b", hunyuan_spec(HY_CFG, big))

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_kv_compile.driver import dreamzero_runtime_config, hunyuan_runtime_config, hunyuan_spec
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hooks import DenseHooks
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 ATOL = 1e-5
 
@@ -55,14 +55,14 @@ class RecordingHooks(DenseHooks):
             F.scaled_dot_product_attention = original
         self.events.append(("forward", kind, info, self._calls))
 
-    def window_reset(self):
+    def reset_history(self):
         self.events.append(("reset",))
 
 
 def replay(runtime: PagedKVRuntime, calls, plan, num_kv_heads: int) -> float:
     """Run write_attend for every recorded layer call of one forward; max abs error vs dense."""
     worst = 0.0
-    with runtime.forward(plan) as active:
+    with runtime.forward_plan(plan) as active:
         assert len(calls) == runtime.config.num_layers
         for layer, q, k, v, out in calls:
             T = q.shape[2]
@@ -91,18 +91,18 @@ def test_dreamzero_rollout_attention_parity(sink):
     assert kinds.count("commit") >= 8 and ("reset",) in hooks.events
 
     runtime = PagedKVRuntime(dreamzero_runtime_config(cfg, block_size=8))
-    runtime.open_session("s", DreamZeroSpec.from_model_config(cfg), rows=2)
+    runtime.admit("s", DreamZeroSpec.from_model_config(cfg), rows=2)
     forwards = 0
     for event in hooks.events:
         if event[0] == "reset":
-            runtime.reset_window("s")
+            runtime.reset("s")
             continue
         _, kind, _, calls = event
-        plan = runtime.scheduler.plan_dreamzero("s", commit=kind == "commit")
+        plan = runtime.scheduler.plan("s", "commit" if kind == "commit" else "denoise")
         assert replay(runtime, calls, plan, cfg.num_heads) <= ATOL
         forwards += 1
     assert forwards == len(kinds)
-    runtime.close_session("s")
+    runtime.release("s")
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
 
 
@@ -117,13 +117,13 @@ def test_hunyuan_requests_attention_parity():
         hooks = RecordingHooks([layer.self_attn for layer in model.layers])
         hunyuan_generate(model, prompts, prefix_capacity=12, num_steps=5, seed=2, hooks=hooks)
         rid = f"r{i}"
-        runtime.admit_request(rid, hunyuan_spec(cfg, prompts))
+        runtime.admit(rid, hunyuan_spec(cfg, prompts))
         phases = []
         for _, kind, info, calls in hooks.events:
-            plan = runtime.scheduler.plan_hunyuan(rid, phase=kind, prefix_capacity=12,
-                                                  attention_mask=info["attention_mask"])
+            plan = runtime.scheduler.plan(rid, kind, prefix_capacity=12,
+                                          attention_mask=info["attention_mask"])
             assert replay(runtime, calls, plan, cfg.num_kv_heads) <= ATOL
             phases.append(kind)
         assert phases == ["prefill"] + ["step"] * 4
-        runtime.finish_request(rid)
+        runtime.release(rid)
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer

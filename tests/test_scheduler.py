@@ -10,7 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from paged_kv_compile import CapacityError, ConfigError, PagedKVConfig, RequestError
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec, HunyuanSpec
+from paged_kv_compile.families.dreamzero import DreamZeroSpec
+from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
 B = 4
 DZ = DreamZeroSpec(frame_seqlen=8, chunk_frames=1, window_frames=4, sink_frames=0, action_tokens=3)
@@ -25,7 +26,7 @@ def make_runtime(blocks: int = 64, max_sessions: int | None = None) -> PagedKVRu
 
 def run_forward(rt: PagedKVRuntime, plan, fail: bool = False) -> None:
     try:
-        with rt.forward(plan):
+        with rt.forward_plan(plan):
             if fail:
                 raise RuntimeError("injected")
     except RuntimeError as e:
@@ -46,11 +47,11 @@ def assert_ownership_consistent(rt: PagedKVRuntime) -> None:
 def test_dreamzero_window_matches_dense_slicing(spec):
     """Visible history per forward equals what the dense cat/slice idiom keeps, chunk after chunk."""
     rt = make_runtime()
-    rt.open_session("s", spec, rows=2)
+    rt.admit("s", spec, rows=2)
     committed: list[list[int]] = []  # logical chunks in commit order (as lists of block ids, row 0)
     n, s, m = spec.chunk_tokens, spec.sink_tokens, spec.window_tokens
     for chunk in range(8):
-        plan = rt.scheduler.plan_dreamzero("s", commit=True)
+        plan = rt.scheduler.plan("s", "commit")
         row = plan.rows[0]
         hist_tokens = row.seq_len - n - spec.action_tokens
         total = chunk * n
@@ -66,20 +67,20 @@ def test_dreamzero_window_matches_dense_slicing(spec):
     if spec.sink_frames:
         assert kept[: s // B] == committed[0][: s // B], "the sink stays resident"
     assert kept[-(n // B):] == committed[-1], "the newest chunk is kept"
-    rt.reset_window("s")
+    rt.reset("s")
     assert rt.scheduler.owned_blocks()["s"] == [[], []]
-    rt.close_session("s")
+    rt.release("s")
     assert rt.scheduler.allocator.num_free == 64
 
 
 def test_denoise_writes_scratch_only_and_repeats_layout():
     rt = make_runtime()
-    rt.open_session("s", DZ, rows=2)
-    run_forward(rt, rt.scheduler.plan_dreamzero("s", commit=True))
+    rt.admit("s", DZ, rows=2)
+    run_forward(rt, rt.scheduler.plan("s", "commit"))
     free = rt.scheduler.allocator.num_free
     builds = rt.metadata.builds
     for _ in range(3):
-        plan = rt.scheduler.plan_dreamzero("s", commit=False)
+        plan = rt.scheduler.plan("s", "denoise")
         assert not plan.rows[0].managed[-(DZ.chunk_tokens // B) :].any(), "denoise K/V must go to scratch"
         run_forward(rt, plan)
     assert rt.scheduler.allocator.num_free == free
@@ -110,44 +111,44 @@ def test_repeated_plans_reuse_layouts_only_while_nothing_changed():
     branch, the forward's first scratch row in a batch, a fork) gives a plan equal to one made without any cache."""
     rt = make_runtime()
     sched = rt.scheduler
-    rt.open_session("s", DZ_SINK, rows=2)
+    rt.admit("s", DZ_SINK, rows=2)
     plans = [
-        lambda: sched.plan_dreamzero("s", commit=False),
-        lambda: sched.plan_dreamzero("s", commit=False, branch=1),
+        lambda: sched.plan("s", "denoise"),
+        lambda: sched.plan("s", "denoise", branch=1),
         # s's branch 1 on the batch's scratch row 1 once the fork exists, else alone on row 0
         lambda: (sched.plan_batch([("t", "denoise", {"branch": 0}), ("s", "denoise", {"branch": 1})])
-                 if "t" in sched.owners else sched.plan_dreamzero("s", commit=False, branch=1)),
-        lambda: sched.plan_dreamzero("s", commit=False),  # the next step's first plan has this key
+                 if "t" in sched.owners else sched.plan("s", "denoise", branch=1)),
+        lambda: sched.plan("s", "denoise"),  # the next step's first plan has this key
     ]
     seen = set()
     for step in range(7):
         if step in (1, 2, 4, 5):
-            run_forward(rt, sched.plan_dreamzero("s", commit=True))
+            run_forward(rt, sched.plan("s", "commit"))
         if step == 3:
             sched.fork("s", "t")
         if step == 6:
-            rt.reset_window("s")
+            rt.reset("s")
         for plan_fn in plans:
             _, got, want = _planned_twice(rt, plan_fn)
             assert got == want, f"step {step}: a reused layout differs from a fresh plan"
             seen.add(repr(got))
     assert len(seen) >= 8, "the steps must exercise different layouts"
-    first = sched.plan_dreamzero("s", commit=False)
+    first = sched.plan("s", "denoise")
     run_forward(rt, first)
-    again = sched.plan_dreamzero("s", commit=False)
+    again = sched.plan("s", "denoise")
     assert again.rows[0] is first.rows[0], "an unchanged denoising step reuses its layouts"
     run_forward(rt, again)
 
     spec = HunyuanSpec(prefix_lens=(5, 3), target_len=6, full_spans=((1, 5),))
-    rt.admit_request("r", spec)
+    rt.admit("r", spec)
     middle = spec.padded_mask(8)  # row 1: [prompt 3 | pad 5 | target 6]
     perm = torch.tensor([3, 4, 5, 6, 7, 0, 1, 2, *range(8, 14)])
     left = middle.clone()
     left[1, 0] = middle[1, 0][perm][:, perm]  # row 1 left-padded: [pad 5 | prompt 3 | target 6]
     keys = []
     for mask in (middle, left):
-        run_forward(rt, sched.plan_hunyuan("r", phase="prefill", prefix_capacity=8, attention_mask=mask))
-        _, got, want = _planned_twice(rt, lambda: sched.plan_hunyuan("r", phase="step", prefix_capacity=8))
+        run_forward(rt, sched.plan("r", "prefill", prefix_capacity=8, attention_mask=mask))
+        _, got, want = _planned_twice(rt, lambda: sched.plan("r", "step", prefix_capacity=8))
         assert got == want, "a step after a second prefill reused the first prefill's layout"
         keys.append(got[1])
     assert keys[0] != keys[1], "the two prefills must lay row 1's prompt out differently"
@@ -155,9 +156,9 @@ def test_repeated_plans_reuse_layouts_only_while_nothing_changed():
 
 def test_failed_commit_rolls_back():
     rt = make_runtime()
-    rt.open_session("s", DZ, rows=2)
+    rt.admit("s", DZ, rows=2)
     before = rt.state()
-    run_forward(rt, rt.scheduler.plan_dreamzero("s", commit=True), fail=True)
+    run_forward(rt, rt.scheduler.plan("s", "commit"), fail=True)
     after = rt.state()
     assert after == before
 
@@ -166,50 +167,50 @@ def test_failed_commit_rolls_back():
 def test_hunyuan_layout_prefill_and_step():
     rt = make_runtime()
     spec = HunyuanSpec(prefix_lens=(5, 3), target_len=6, full_spans=((1, 5),))
-    rt.admit_request("r", spec)
+    rt.admit("r", spec)
     assert [len(r) for r in rt.scheduler.owned_blocks()["r"]] == [2, 1]
-    plan = rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=8, attention_mask=spec.padded_mask(8))
+    plan = rt.scheduler.plan("r", "prefill", prefix_capacity=8, attention_mask=spec.padded_mask(8))
     row1 = plan.rows[1]  # prefix 3, pad 5, target 6
     assert row1.positions.tolist() == [0, 1, 2, -1, -1, -1, -1, -1, 3, 4, 5, 6, 7, 8]
     assert row1.visible_end.tolist() == [1, 2, 3, 0, 0, 0, 0, 0, 4, 8, 8, 8, 8, 9]
     assert row1.seq_len == 9
     run_forward(rt, plan)
-    plan = rt.scheduler.plan_hunyuan("r", phase="step", prefix_capacity=8)
+    plan = rt.scheduler.plan("r", "step", prefix_capacity=8)
     assert plan.rows[0].positions.tolist() == list(range(5, 11))
     assert plan.rows[0].visible_end.tolist() == [6, 10, 10, 10, 10, 11]
     run_forward(rt, plan)
-    rt.finish_request("r")
+    rt.release("r")
     assert rt.scheduler.allocator.num_free == 64
 
 
 def test_hunyuan_step_before_prefill_is_refused():
     rt = make_runtime()
-    rt.admit_request("r", HunyuanSpec(prefix_lens=(5,), target_len=6))
+    rt.admit("r", HunyuanSpec(prefix_lens=(5,), target_len=6))
     before = rt.state()
     with pytest.raises(RequestError, match="not been prefilled"):
-        rt.scheduler.plan_hunyuan("r", phase="step", prefix_capacity=8)
+        rt.scheduler.plan("r", "step", prefix_capacity=8)
     assert rt.state() == before
 
 
 # ---- bad input: clear errors, nothing changed ------------------------------------------------------
 BAD_CASES = [
-    ("unknown id", lambda rt: rt.scheduler.plan_dreamzero("nope", commit=False), RequestError, "unknown id"),
-    ("finished id", lambda rt: rt.scheduler.plan_hunyuan("done", phase="step", prefix_capacity=8), RequestError,
-     "finished"),
-    ("reused id", lambda rt: rt.admit_request("done", HunyuanSpec((3,), 4)), RequestError, "already used"),
-    ("live id reused", lambda rt: rt.open_session("live", DZ), RequestError, "already live"),
-    ("closed session", lambda rt: rt.scheduler.plan_dreamzero("closed", commit=True), RequestError, "closed"),
-    ("too many rows", lambda rt: rt.open_session("x", DZ, rows=3), RequestError, "max_rows"),
-    ("window below chunk", lambda rt: rt.open_session("x", DreamZeroSpec(8, 3, 2)), ConfigError,
+    ("unknown id", lambda rt: rt.scheduler.plan("nope", "denoise"), RequestError, "unknown id"),
+    ("finished id", lambda rt: rt.scheduler.plan("done", "step", prefix_capacity=8), RequestError,
+     "released"),
+    ("reused id", lambda rt: rt.admit("done", HunyuanSpec((3,), 4)), RequestError, "already used"),
+    ("live id reused", lambda rt: rt.admit("live", DZ), RequestError, "already live"),
+    ("closed session", lambda rt: rt.scheduler.plan("closed", "commit"), RequestError, "'closed' is released"),
+    ("too many rows", lambda rt: rt.admit("x", DZ, rows=3), RequestError, "max_rows"),
+    ("window below chunk", lambda rt: rt.admit("x", DreamZeroSpec(8, 3, 2)), ConfigError,
      "smaller than a chunk"),
-    ("block size vs frame", lambda rt: rt.open_session("x", DreamZeroSpec(6, 1, 4)), ConfigError,
+    ("block size vs frame", lambda rt: rt.admit("x", DreamZeroSpec(6, 1, 4)), ConfigError,
      "does not divide frame_seqlen"),
-    ("larger than pool", lambda rt: rt.admit_request("x", HunyuanSpec((4 * 70,), 4)), CapacityError,
+    ("larger than pool", lambda rt: rt.admit("x", HunyuanSpec((4 * 70,), 4)), CapacityError,
      "can never fit"),
-    ("prefix capacity too small", lambda rt: rt.scheduler.plan_hunyuan("live_r", phase="prefill", prefix_capacity=2),
+    ("prefix capacity too small", lambda rt: rt.scheduler.plan("live_r", "prefill", prefix_capacity=2),
      RequestError, "below the longest prompt"),
-    ("wrong family", lambda rt: rt.scheduler.plan_dreamzero("live_r", commit=True), RequestError, "not a dreamzero"),
-    ("target span too long", lambda rt: rt.admit_request("x", HunyuanSpec((3,), 200)), ConfigError, "scratch"),
+    ("another family's kind", lambda rt: rt.scheduler.plan("live_r", "commit"), RequestError, "unknown phase 'commit'"),
+    ("target span too long", lambda rt: rt.admit("x", HunyuanSpec((3,), 200)), ConfigError, "scratch"),
 ]
 
 
@@ -217,12 +218,12 @@ BAD_CASES = [
 def test_bad_input_is_refused_without_change(case):
     _, call, exc, text = case
     rt = make_runtime()
-    rt.admit_request("done", HunyuanSpec((3,), 4))
-    rt.finish_request("done")
-    rt.open_session("live", DZ)
-    rt.open_session("closed", DZ)
-    rt.close_session("closed")
-    rt.admit_request("live_r", HunyuanSpec((5,), 4))
+    rt.admit("done", HunyuanSpec((3,), 4))
+    rt.release("done")
+    rt.admit("live", DZ)
+    rt.admit("closed", DZ)
+    rt.release("closed")
+    rt.admit("live_r", HunyuanSpec((5,), 4))
     before = rt.state()
     with pytest.raises(exc, match=text):
         call(rt)
@@ -231,23 +232,23 @@ def test_bad_input_is_refused_without_change(case):
 
 def test_admission_refused_when_pool_full_leaves_state():
     rt = make_runtime(blocks=6)
-    rt.admit_request("a", HunyuanSpec((12, 8), 4))  # 3 + 2 blocks
+    rt.admit("a", HunyuanSpec((12, 8), 4))  # 3 + 2 blocks
     before = rt.state()
     with pytest.raises(CapacityError, match="free"):
-        rt.admit_request("b", HunyuanSpec((4, 4), 4))  # needs 2, 1 free: neither row is admitted
+        rt.admit("b", HunyuanSpec((4, 4), 4))  # needs 2, 1 free: neither row is admitted
     assert rt.state() == before
 
 
 def test_lru_cap_evicts_least_recently_used_session():
     rt = make_runtime(max_sessions=2)
     for sid in ("a", "b"):
-        rt.open_session(sid, DZ)
-        run_forward(rt, rt.scheduler.plan_dreamzero(sid, commit=True))
-    run_forward(rt, rt.scheduler.plan_dreamzero("a", commit=False))  # "a" is now the most recent
-    rt.open_session("c", DZ)
+        rt.admit(sid, DZ)
+        run_forward(rt, rt.scheduler.plan(sid, "commit"))
+    run_forward(rt, rt.scheduler.plan("a", "denoise"))  # "a" is now the most recent
+    rt.admit("c", DZ)
     assert set(rt.scheduler.owners) == {"a", "c"}
     with pytest.raises(RequestError, match="evicted"):
-        rt.scheduler.plan_dreamzero("b", commit=False)
+        rt.scheduler.plan("b", "denoise")
     assert_ownership_consistent(rt)
 
 
@@ -273,11 +274,11 @@ class Lifecycles(RuleBasedStateMachine):
 
     @rule(sink=st.booleans(), rows=st.integers(1, 2))
     def open_session(self, sink, rows):
-        self._refused(lambda: self.rt.open_session(self._new_id(), DZ_SINK if sink else DZ, rows=rows))
+        self._refused(lambda: self.rt.admit(self._new_id(), DZ_SINK if sink else DZ, rows=rows))
 
     @rule(prefixes=st.lists(st.integers(1, 40), min_size=1, max_size=2), target_len=st.integers(1, 12))
     def admit(self, prefixes, target_len):
-        self._refused(lambda: self.rt.admit_request(self._new_id(), HunyuanSpec(tuple(prefixes), target_len)))
+        self._refused(lambda: self.rt.admit(self._new_id(), HunyuanSpec(tuple(prefixes), target_len)))
 
     def _live(self, family):
         return [o for o, v in self.rt.scheduler.owners.items() if v.family == family]
@@ -288,7 +289,7 @@ class Lifecycles(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(self._live("dreamzero")))
         before = self.rt.state()
         try:
-            plan = self.rt.scheduler.plan_dreamzero(sid, commit=commit)
+            plan = self.rt.scheduler.plan(sid, "commit" if commit else "denoise")
         except CapacityError:
             assert self.rt.state() == before
             return
@@ -303,9 +304,9 @@ class Lifecycles(RuleBasedStateMachine):
         owner = self.rt.scheduler.owners[rid]
         phase = "step" if "prefill" in owner.phases_done else "prefill"
         capacity = max(owner.spec.prefix_lens)
-        plan = self.rt.scheduler.plan_hunyuan(rid, phase=phase, prefix_capacity=capacity,
-                                              attention_mask=owner.spec.padded_mask(capacity) if phase == "prefill"
-                                              else None)
+        plan = self.rt.scheduler.plan(rid, phase, prefix_capacity=capacity,
+                                      attention_mask=owner.spec.padded_mask(capacity) if phase == "prefill"
+                                      else None)
         run_forward(self.rt, plan, fail=fail)
 
     @precondition(lambda self: self.rt.scheduler.owners)
@@ -316,9 +317,9 @@ class Lifecycles(RuleBasedStateMachine):
         if how == "abort":
             self.rt.abort(oid)
         elif family == "dreamzero":
-            (self.rt.reset_window if how == "reset" else self.rt.close_session)(oid)
+            (self.rt.reset if how == "reset" else self.rt.release)(oid)
         else:
-            self.rt.finish_request(oid)
+            self.rt.release(oid)
 
     @invariant()
     def ownership_is_exact(self):

@@ -13,10 +13,10 @@ import torch
 from helpers import CountingBackend, compile_blocks, host_syncs, raises_paged
 
 from paged_kv_compile import PassError, RequestError, families
-from paged_kv_compile.driver import dreamzero_runtime_config, paged_dreamzero_rollout
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 ATOL = 1e-5
 # image 3 + text 5 = 8 cross tokens: one block of 8 (block_size 8), window 6 frames with a 2-frame sink.
@@ -40,15 +40,15 @@ def make_rig(sessions: int = 1, max_rows: int = 2, inner: str = "aot_eager"):
 def test_shared_region_rollout_reads_cross_attention_from_the_pool(inner):
     dense = dreamzero_rollout(DreamZeroModel(CFG, seed=1), num_chunks=9, num_inference_steps=2, seed=3)
     model, runtime, backend = make_rig(inner=inner)
-    paged = paged_dreamzero_rollout(model, runtime, num_chunks=9, num_inference_steps=2, seed=3, shared_cross=True,
-                                    cache_salt="tenant")
+    paged = paged_run(model, runtime, num_chunks=9, num_inference_steps=2, seed=3, shared_kv=True,
+                      cache_salt="tenant")
     assert dense["resets"] == paged["resets"] and dense["resets"]
     worst = max((dense[key] - paged[key]).abs().max().item() for key in ("video", "actions"))
     print(f"shared-region rollout, {inner}: max abs difference vs dense eager {worst:.3g}")
     assert worst <= ATOL
     assert backend.frames == 1  # one frame: every layer, commit and denoise, across the reset
     result = backend.results[0]
-    assert sorted(r.pattern for r in result.reports if r.status == "rewritten") == ["dreamzero-window", "shared-region"]
+    assert sorted(r.pattern for r in result.reports if r.status == "rewritten") == ["shared-region", "window"]
     assert result.region_tokens == CFG.cross_len
     code = result.graph_module.code
     assert "paged_kv.attend" in code and "paged_kv.write_attend" in code
@@ -66,8 +66,8 @@ def test_shared_region_warmup_then_rollout_compiles_nothing_and_matches_dense():
     captured = warm_up(model, runtime, progress=False)
     assert backend.frames == 1 and backend.results[0].region_tokens == CFG.cross_len
     with captured.serving():  # fail_on_recompile
-        paged = paged_dreamzero_rollout(model, runtime, num_chunks=5, num_inference_steps=2, seed=3,
-                                        shared_cross=True, cache_salt="t")
+        paged = paged_run(model, runtime, num_chunks=5, num_inference_steps=2, seed=3,
+                          shared_kv=True, cache_salt="t")
     assert backend.frames == 1 and captured.stats["fallback_calls"] == 0
     assert max((dense[k] - paged[k]).abs().max().item() for k in ("video", "actions")) <= ATOL
 
@@ -92,9 +92,9 @@ def test_shared_region_batched_sessions_read_their_own_regions():
     dense = DreamZeroModel(CFG, seed=1)
     spec = DreamZeroSpec.from_model_config(CFG)
     cross = {"a": _cross(model, 10), "b": _cross(model, 20)}
-    runtime.open_session("a", spec, cross_kv=cross["a"], cache_salt="t1")
-    runtime.open_session("b", spec, cross_kv=cross["b"], cache_salt="t2")
-    runtime.open_session("a2", spec, cross_kv=cross["a"], cache_salt="t1")  # shares a's regions
+    runtime.admit("a", spec, cross_kv=cross["a"], cache_salt="t1")
+    runtime.admit("b", spec, cross_kv=cross["b"], cache_salt="t2")
+    runtime.admit("a2", spec, cross_kv=cross["a"], cache_salt="t1")  # shares a's regions
     assert [r.blocks for r in runtime.regions_of("a2")] == [r.blocks for r in runtime.regions_of("a")]
     both = [torch.cat([cross["a"][layer], cross["b"][layer]], dim=1) for layer in range(CFG.num_layers)]
     standins = families.get("dreamzero").region_standins(runtime, model, 4)
@@ -111,7 +111,7 @@ def test_shared_region_batched_sessions_read_their_own_regions():
     assert worst <= ATOL, worst
     # a2 holds a's regions but no history: alone, its denoise reads the shared region and an empty window.
     x, a = _inputs(9, 2)
-    with runtime.dreamzero_forward("a2", commit=False):
+    with runtime.forward("a2", "denoise"):
         got = model(x, a, torch.full((2,), 500.0), 0, families.for_model(model).standin_caches(runtime, model, 2),
                     families.get("dreamzero").region_standins(runtime, model, 2), update_kv_cache=False)
     want = dense(x, a, torch.full((2,), 500.0), 0, dense.dense_caches(2), cross["a"], update_kv_cache=False)
@@ -121,16 +121,16 @@ def test_shared_region_batched_sessions_read_their_own_regions():
 
 def test_shared_region_site_refuses_a_row_without_a_region():
     model, runtime, _ = make_rig()
-    runtime.open_session("plain", DreamZeroSpec.from_model_config(CFG))  # no cross_kv: nothing to read
+    runtime.admit("plain", DreamZeroSpec.from_model_config(CFG))  # no cross_kv: nothing to read
     x, a = _inputs(0, 2)
     before = runtime.state()
-    with pytest.raises(RequestError, match="row 0 of this commit forward .* holds no shared region: open the session"):
-        with runtime.dreamzero_forward("plain", commit=True):
+    with pytest.raises(RequestError, match="row 0 of this commit forward .* holds no shared region: admit the owner"):
+        with runtime.forward("plain", "commit"):
             model(x, a, torch.zeros(2), 0, families.for_model(model).standin_caches(runtime, model, 2),
                   families.get("dreamzero").region_standins(runtime, model, 2), update_kv_cache=True)
     assert runtime.state() == before  # rolled back
     # The dense cross K/V still work (a cross-attention that reads no stand-in stays dense).
-    with runtime.dreamzero_forward("plain", commit=True):
+    with runtime.forward("plain", "commit"):
         model(x, a, torch.zeros(2), 0, families.for_model(model).standin_caches(runtime, model, 2), _cross(model, 1),
               update_kv_cache=True)
 
@@ -151,11 +151,11 @@ def test_shared_region_site_the_pass_cannot_read_is_refused_not_wrong():
     block = _SlicedCross(model.blocks[0])
     compiled = torch.compile(block, backend=CountingBackend({"inner_compiler": "aot_eager", "strict": True}),
                              fullgraph=True, dynamic=False)
-    runtime.open_session("s", DreamZeroSpec.from_model_config(CFG), cross_kv=_cross(model, 1), cache_salt="t")
+    runtime.admit("s", DreamZeroSpec.from_model_config(CFG), cross_kv=_cross(model, 1), cache_salt="t")
     R, T = 2, CFG.tokens_per_forward
     cos, sin = model.rope_tables(0, CFG.num_frame_per_block, torch.device("cpu"))
     with raises_paged(PassError, "reads a shared-region stand-in but cannot be rewritten: its key is not exactly"):
-        with runtime.dreamzero_forward("s", commit=False):
+        with runtime.forward("s", "denoise"):
             compiled(torch.zeros(R, T, CFG.dim), torch.zeros(R, 6, CFG.dim), cos, sin,
                      families.for_model(model).standin_caches(runtime, model, R)[0],
                      families.get("dreamzero").region_standins(runtime, model, R)[0])
@@ -180,15 +180,15 @@ def test_shared_region_in_an_fp8_pool_reads_what_the_layer_scales_store():
         return model, runtime
 
     class QuantizedDenseCross(PagedHooks):
-        def cross_kvs(self, model, cross_kvs):
+        def write_once_kv(self, model, cross_kvs):
             return [dequantize(quantize(kv, s, fp8), s, kv.dtype) for kv, s in zip(cross_kvs, scales)]
 
     model, runtime = rig()
-    paged = paged_dreamzero_rollout(model, runtime, num_chunks=3, num_inference_steps=2, seed=3, shared_cross=True,
-                                    cache_salt="t")
+    paged = paged_run(model, runtime, num_chunks=3, num_inference_steps=2, seed=3, shared_kv=True,
+                      cache_salt="t")
     torch._dynamo.reset()
     model, runtime = rig()
-    want = paged_dreamzero_rollout(model, runtime, num_chunks=3, num_inference_steps=2, seed=3,
-                                   make_hooks=QuantizedDenseCross)
+    want = paged_run(model, runtime, num_chunks=3, num_inference_steps=2, seed=3,
+                     make_hooks=QuantizedDenseCross)
     worst = max((want[k] - paged[k]).abs().max().item() for k in ("video", "actions"))
     assert worst <= ATOL, worst

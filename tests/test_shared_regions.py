@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from paged_kv_compile import CapacityError, ConfigError, RequestError, families
-from paged_kv_compile.driver import dreamzero_runtime_config
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig
 from paged_kv_compile.regions import region_digest
 from paged_kv_compile.runtime import PagedKVRuntime
-from paged_kv_compile.scheduler import DreamZeroSpec
 
 # 2 layers x 4 heads x 16; cross K/V of 6 tokens = 2 blocks of 4 (the last one partly used).
 CFG = DreamZeroConfig(num_layers=2, frame_seqlen=4, num_frame_per_block=1, local_attn_size=3, sink_size=1,
@@ -87,25 +86,25 @@ def test_shared_region_same_tenant_same_content_is_written_once(allocator, monke
     monkeypatch.setattr(type(rt.pool), "write_region", lambda self, b, s: (writes.append(list(b)), original(self, b, s)))
     free = rt.scheduler.allocator.num_free
     for sid in ("a", "b", "c"):
-        rt.open_session(sid, SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="tenant-1")
+        rt.admit(sid, SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="tenant-1")
     # Two regions (conditional row, negative row), written once each, held by three sessions.
     assert len(writes) == 2 and rt.scheduler.allocator.num_free == free - 2 * 2
     assert region_blocks(rt, "a") == region_blocks(rt, "b") == region_blocks(rt, "c")
     assert [r.holders for r in rt.regions_of("a")] == [3, 3]
     assert_refcounts_exact(rt)
     # Another prompt of the same tenant shares only the negative row; caller keys share the same way.
-    rt.open_session("d", SPEC, cross_kv=cross_kv(OTHER, NEGATIVE), cache_salt="tenant-1")
+    rt.admit("d", SPEC, cross_kv=cross_kv(OTHER, NEGATIVE), cache_salt="tenant-1")
     assert len(writes) == 3
     assert region_blocks(rt, "d")[1] == region_blocks(rt, "a")[1] != region_blocks(rt, "d")[0]
-    rt.open_session("k1", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="tenant-1", content_keys=["p", "n"])
-    rt.open_session("k2", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="tenant-1", content_keys=["p", "n"])
+    rt.admit("k1", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="tenant-1", content_keys=["p", "n"])
+    rt.admit("k2", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="tenant-1", content_keys=["p", "n"])
     assert len(writes) == 5 and region_blocks(rt, "k1") == region_blocks(rt, "k2")
     assert_refcounts_exact(rt)
     for sid, seeds in (("a", (PROMPT, NEGATIVE)), ("d", (OTHER, NEGATIVE)), ("k2", (PROMPT, NEGATIVE))):
         for row, seed in enumerate(seeds):
             assert torch.equal(stored(rt, sid, row), expected(seed))
     # Two rows of one session with the same content hold one region twice.
-    rt.open_session("twice", SPEC, cross_kv=cross_kv(OTHER, OTHER), cache_salt="tenant-2")
+    rt.admit("twice", SPEC, cross_kv=cross_kv(OTHER, OTHER), cache_salt="tenant-2")
     assert region_blocks(rt, "twice")[0] == region_blocks(rt, "twice")[1]
     assert rt.regions_of("twice")[0].holders == 2
     assert_refcounts_exact(rt)
@@ -115,7 +114,7 @@ def test_shared_region_same_tenant_same_content_is_written_once(allocator, monke
 def test_shared_region_two_tenants_with_the_same_prompt_share_nothing(allocator):
     rt = make_runtime(allocator)
     for sid, salt in (("alice", "tenant-a"), ("bob", "tenant-b"), ("anon", None)):
-        rt.open_session(sid, SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt=salt)
+        rt.admit(sid, SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt=salt)
     blocks = [b for sid in ("alice", "bob", "anon") for r in region_blocks(rt, sid) for b in r]
     assert len(blocks) == len(set(blocks)) == 3 * 2 * 2  # no block in common, not even the negative row's
     assert all(r.holders == 1 for sid in ("alice", "bob", "anon") for r in rt.regions_of(sid))
@@ -132,17 +131,17 @@ def test_shared_region_two_tenants_with_the_same_prompt_share_nothing(allocator)
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_shared_region_forged_key_gets_its_own_blocks_and_reads_its_own_values(allocator):
     rt = make_runtime(allocator)
-    rt.open_session("victim", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
+    rt.admit("victim", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
     victim = stored(rt, "victim", 0).clone()
     # Same tenant, same caller keys, different conditional content (a forged or colliding key).
-    rt.open_session("forger", SPEC, cross_kv=cross_kv(OTHER, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
+    rt.admit("forger", SPEC, cross_kv=cross_kv(OTHER, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
     assert region_blocks(rt, "forger")[0] != region_blocks(rt, "victim")[0]
     assert torch.equal(stored(rt, "forger", 0), expected(OTHER))  # its own values
     assert torch.equal(stored(rt, "victim", 0), victim)  # the victim's are untouched
     assert region_blocks(rt, "forger")[1] == region_blocks(rt, "victim")[1]  # the truly equal row is shared
     # Both candidates stay in the registry: a third session of either content finds its own.
-    rt.open_session("x", SPEC, cross_kv=cross_kv(OTHER, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
-    rt.open_session("y", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
+    rt.admit("x", SPEC, cross_kv=cross_kv(OTHER, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
+    rt.admit("y", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
     assert region_blocks(rt, "x") == region_blocks(rt, "forger") and region_blocks(rt, "y") == region_blocks(rt, "victim")
     assert_refcounts_exact(rt)
 
@@ -152,18 +151,18 @@ def test_shared_region_release_in_any_order_frees_only_blocks_nobody_holds(alloc
     for order in itertools.permutations(["a", "b", "c", "fork"]):
         rt = make_runtime(allocator)
         total = rt.scheduler.allocator.num_blocks
-        rt.open_session("a", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
-        rt.open_session("b", SPEC, cross_kv=cross_kv(OTHER, NEGATIVE), cache_salt="t")
-        rt.open_session("c", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
-        with rt.dreamzero_forward("a", commit=True):
+        rt.admit("a", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
+        rt.admit("b", SPEC, cross_kv=cross_kv(OTHER, NEGATIVE), cache_salt="t")
+        rt.admit("c", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
+        with rt.forward("a", "commit"):
             pass
         rt.fork("a", "fork")  # a fork holds its parent's regions too
         assert rt.regions_of("fork") == rt.regions_of("a") and rt.regions_of("a")[0].holders == 3
-        rt.reset_window("c")  # a window reset keeps the regions (cross K/V is per session, not per window)
+        rt.reset("c")  # a window reset keeps the regions (cross K/V is per session, not per window)
         assert rt.regions_of("c") == rt.regions_of("a")
         assert_refcounts_exact(rt)
         for sid in order:
-            rt.close_session(sid)
+            rt.release(sid)
             assert_refcounts_exact(rt)
         assert rt.scheduler.allocator.num_free == total
         assert rt.state()["regions"] == {"held": {}, "registry": []}
@@ -172,7 +171,7 @@ def test_shared_region_release_in_any_order_frees_only_blocks_nobody_holds(alloc
 # ---- refusals and the write guard ---------------------------------------------------------------------
 def test_shared_region_refusals_name_the_fix_and_change_nothing():
     rt = make_runtime(blocks_per_layer=7)  # a session's window (6) fits; its 2 regions take 4 of the 7
-    rt.open_session("live", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
+    rt.admit("live", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
     good = cross_kv(OTHER, NEGATIVE)
     cases = [
         (dict(cross_kv=good[:1]), ConfigError, "list of 2 per-layer tensors"),
@@ -192,16 +191,16 @@ def test_shared_region_refusals_name_the_fix_and_change_nothing():
     for kwargs, exc, match in cases:
         before = rt.state()
         with pytest.raises(exc, match=match):
-            rt.open_session("new", SPEC, **kwargs)
+            rt.admit("new", SPEC, **kwargs)
         assert rt.state() == before
         assert_refcounts_exact(rt)
-    rt.open_session("new", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # shared: fits
+    rt.admit("new", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # shared: fits
 
 
 def test_shared_region_write_guard_refuses_a_plan_that_writes_a_region_block(monkeypatch):
     """A region is written once, at admission; a plan laid out over one (even one with a single holder) is refused."""
     rt = make_runtime()
-    rt.open_session("s", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
+    rt.admit("s", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
     target = rt.regions_of("s")[0].blocks[0]
     family = families.get("dreamzero")
     original = type(family).plan
@@ -219,7 +218,7 @@ def test_shared_region_write_guard_refuses_a_plan_that_writes_a_region_block(mon
     monkeypatch.setattr(type(family), "plan", onto_the_region)
     before = rt.state()
     with pytest.raises(RequestError, match=rf"would write blocks \[{target}\] of a shared write-once region"):
-        rt.scheduler.plan_dreamzero("s", commit=True)
+        rt.scheduler.plan("s", "commit")
     with pytest.raises(RequestError, match="shared write-once region"):
         rt.scheduler.plan_batch([("s", "commit")])
     assert rt.state() == before
@@ -228,8 +227,8 @@ def test_shared_region_write_guard_refuses_a_plan_that_writes_a_region_block(mon
 def test_shared_region_in_an_fp8_pool_holds_the_quantized_values():
     rt = make_runtime(kv_dtype=torch.float8_e4m3fn)
     rt.pool.set_scales(torch.tensor([[0.5], [2.0]]), 1.0)
-    rt.open_session("a", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
-    rt.open_session("b", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
+    rt.admit("a", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
+    rt.admit("b", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
     assert region_blocks(rt, "a") == region_blocks(rt, "b")
     got = stored(rt, "a", 0).float()
     want = expected(PROMPT)
@@ -266,15 +265,15 @@ def test_shared_region_admission_checks_capacity_before_evicting():
     anyone is evicted, and one that fits only with the evicted session's blocks does not share a region that the
     eviction ends (it writes its own)."""
     rt = PagedKVRuntime(dreamzero_runtime_config(CFG, kernel="reference", blocks_per_layer=9), max_sessions=1)
-    rt.open_session("old", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # 4 of 9 blocks
-    with rt.dreamzero_forward("old", commit=True):
+    rt.admit("old", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # 4 of 9 blocks
+    with rt.forward("old", "commit"):
         pass  # + 2 history blocks: 3 free
     huge = [torch.cat([t] * 4, dim=2)[:, :, :20] for t in cross_kv(3, 4)]  # 20 tokens: 5 blocks per row
     before = rt.state()
     with pytest.raises(CapacityError, match="needs 10 free blocks per layer .* it can never fit"):
-        rt.open_session("huge", SPEC, cross_kv=huge, cache_salt="t")
+        rt.admit("huge", SPEC, cross_kv=huge, cache_salt="t")
     assert rt.state() == before  # "old" was not evicted
-    rt.open_session("new", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # evicts "old", 4 new blocks
+    rt.admit("new", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # evicts "old", 4 new blocks
     assert rt.scheduler.finished["old"].startswith("evicted")
     assert [r.holders for r in rt.regions_of("new")] == [1, 1]
     assert torch.equal(stored(rt, "new", 0), expected(PROMPT)) and torch.equal(stored(rt, "new", 1), expected(NEGATIVE))

@@ -87,7 +87,7 @@ class HunyuanAdapter:
         """One model forward of `request_id` ("prefill" = the pipeline's first_step, else "step")."""
         owner = self.runtime.owner(request_id)
         if owner is None:
-            raise RequestError(f"unknown request {request_id!r}: admit it with runtime.admit_request(rid, spec) first")
+            raise RequestError(f"unknown request {request_id!r}: admit it with runtime.admit(rid, spec) first")
         for manager in self.managers:
             if getattr(manager, "_injected_ar_kv", None) is not None:
                 raise RequestError("imported AR prompt KV (_injected_ar_kv) is not supported by this adapter")
@@ -96,8 +96,8 @@ class HunyuanAdapter:
         standin = self.runtime.standin(rows, capacity, probe.num_kv_heads, probe.head_dim, writable=True)
         for manager in self.managers:
             manager._paged_kv_cache = (standin, standin)
-        with self.runtime.hunyuan_forward(request_id, phase=phase, prefix_capacity=capacity,
-                                          attention_mask=attention_mask):
+        with self.runtime.forward(request_id, phase, prefix_capacity=capacity,
+                                  attention_mask=attention_mask):
             yield
 
 

@@ -1,12 +1,12 @@
 """Warm-up over shape buckets, then CUDA-graph capture and replay of the compiled blocks.
 
-    runtime = PagedKVRuntime(dreamzero_runtime_config(cfg, buckets=dreamzero_buckets(cfg)))
+    runtime = PagedKVRuntime(config)        # a family's runtime config with its buckets (families/<name>.py)
     runtime.bind(model.blocks)
     for block in model.blocks:
         block.compile(backend="paged_kv", fullgraph=True, dynamic=False)
     captured = warm_up(model, runtime)      # compiles every bucket; on CUDA also captures
     with captured.serving():                # from here on, any compile is an error
-        paged_dreamzero_rollout(model, runtime, num_chunks=10)
+        paged_run(model, runtime, num_chunks=10)
 
 `warm_up` wraps the model's blocks (`CapturedBlocks`). Per bucket it owns one set of static input
 buffers, shared by all blocks (one buffer per argument position: hidden states, modulation, RoPE
@@ -34,9 +34,6 @@ silent recompile is an error; captured calls enforce that stance themselves as w
 """
 
 from ..errors import CaptureError
-# Re-exported where the README and older callers import them; they live with their family.
-from ..families.dreamzero import dreamzero_block_inputs, dreamzero_buckets
-from ..families.hunyuan_image3 import hunyuan_buckets, hunyuan_layer_inputs
 from .blocks import FALLBACKS, CapturedBlocks, ExampleInputs, model_blocks_and_inputs, warm_up
 from .graphs import CudaGraphs, EmulatedGraphs
 from .report import BucketWarmup, WarmupReport, format_bucket
@@ -50,11 +47,7 @@ __all__ = [
     "EmulatedGraphs",
     "ExampleInputs",
     "WarmupReport",
-    "dreamzero_block_inputs",
-    "dreamzero_buckets",
     "format_bucket",
-    "hunyuan_buckets",
-    "hunyuan_layer_inputs",
     "model_blocks_and_inputs",
     "warm_up",
 ]

@@ -51,7 +51,7 @@ class _CapturedBlock(torch.nn.Module):
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
-        except AttributeError:  # e.g. DreamZeroModel.prepare_cross_kv reads block.cross_attn
+        except AttributeError:  # a model may read a block's submodule (block.cross_attn)
             if name.startswith("__") or "_modules" not in self.__dict__:
                 raise
             return getattr(self._modules["block"], name)
@@ -96,7 +96,7 @@ class CapturedBlocks:
         if not buckets:
             raise ConfigError(
                 "no shape buckets to warm up: give buckets=... or configure PagedKVConfig(buckets=...) "
-                "(capture.dreamzero_buckets / capture.hunyuan_buckets build them)"
+                "(each family module's <family>_buckets builds them)"
             )
         if runtime.config.buckets:
             unknown = [b for b in buckets if b not in runtime.config.buckets]
@@ -351,8 +351,7 @@ def warm_up(
 ) -> CapturedBlocks:
     """Warm up (compile, and capture on CUDA) every bucket of a reference model's compiled blocks.
 
-    `buckets` default to the runtime's configured ones, or to the family's defaults (DreamZero:
-    `dreamzero_buckets(cfg)`).
+    `buckets` default to the runtime's configured ones, or to the family's defaults (`Family.default_buckets`).
     The blocks must already be compiled with backend="paged_kv" and bound to `runtime`. Returns the
     `CapturedBlocks` (installed into the model unless install=False); its `.report` has the timings.
     """

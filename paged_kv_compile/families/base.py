@@ -15,12 +15,14 @@ A new family is one new module implementing `Family` (plus its reference model),
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from ..config import Bucket, PagedKVConfig
+from ..errors import RequestError
 from ..layout import RowLayout
 
 
@@ -132,70 +134,137 @@ def reuse_layouts(owner: Owner, key: tuple, make: Callable[[], Any]) -> Any:
 
 @runtime_checkable
 class Expectation(Protocol):
-    """What a compiled attention site assumes about the forward it runs in (a frozen dataclass per family).
+    """What a compiled attention site assumes about the forward it runs in (a frozen dataclass per idiom).
 
-    Built by the idiom matcher from the graph (`passes/`), checked against the live plan at every call
-    (`PagedKVRuntime.check_layout`). `context` is the dense cache length the site was compiled for.
+    Built by an idiom's matcher from the graph (`passes/idioms/`), checked against the live plan at every call
+    (`PagedKVRuntime.check_layout`): the owner's family must accept `idiom`, then checks the rest.
+    `context` is the dense cache length the site was compiled for.
     """
 
-    family: str
+    idiom: str
 
     @property
     def context(self) -> int: ...
 
 
-class Family(Protocol):
-    """One model family's KV-cache knowledge; see the module docstring."""
+class Family(abc.ABC):
+    """One model family's KV-cache knowledge; see the module docstring.
 
-    name: str  # registry key, also `Owner.family` and `Expectation.family`
+    Subclasses set the four class attributes and implement every abstract method; `families.register` refuses
+    a family that leaves any out, naming them. The methods with a body are optional: their default refuses (forks,
+    shared regions) or does nothing (a history reset).
+    """
+
+    name: str  # registry key, also `Owner.family`
     noun: str  # "session" or "request", for messages
     spec_type: type
     evict_lru: bool  # whether the runtime's max_sessions LRU cap applies to this family's owners
+    #: the idioms (`passes.idioms.Idiom`) whose sites this family's owners may run; `passes/rewrite.py` matches them
+    idioms: tuple = ()
+
+    REQUIRED_ATTRIBUTES = ("name", "noun", "spec_type", "evict_lru", "idioms")
 
     # ---- admission and forwards (called by the scheduler) ----
+    @abc.abstractmethod
     def rows(self, spec: Any, requested: int | None) -> int:
         """How many rows (CFG rows) an owner of `spec` has; `requested` is what the caller asked for."""
 
+    @abc.abstractmethod
     def admission_blocks(self, spec: Any, rows: int, blocks: BlockSource) -> list[int]:
         """Validate a new owner; managed blocks per row to take at admission (all rows or none)."""
 
-    def plan(self, owner: Owner, blocks: BlockSource, kind: str, **info: Any) -> ForwardPlan:
+    @abc.abstractmethod
+    def plan(self, owner: Owner, blocks: BlockSource, kind: str, **args: Any) -> ForwardPlan:
         """Plan one forward of `kind`; blocks taken here are given back by the scheduler on failure
         only if recorded in `ForwardPlan.new_blocks` (a plan that raises must free what it took)."""
 
+    @abc.abstractmethod
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
         """The forward ran: update the owner's rows (e.g. a commit becomes history)."""
 
+    @abc.abstractmethod
     def check_expectation(self, expect: Expectation, owner: Owner, plan: ForwardPlan) -> None:
-        """Raise RequestError when a compiled site's expectation disagrees with the owner's spec or the plan."""
+        """Raise RequestError when a compiled site's expectation disagrees with the owner's spec or the plan.
+        Called only for sites of an idiom this family accepts."""
 
-    # ---- forks (optional: a family without `fork_state` refuses forks) ----
-    # def fork_state(self, owner: Owner, blocks: BlockSource) -> dict[str, Any]:
-    #     """Raise RequestError when `owner` cannot be forked now; else the child's `Owner.state`. The child
-    #     shares every block of `owner` by reference count, so the family must never write a block it did
-    #     not take for the forward being planned (the scheduler checks this for every plan)."""
-    # def history_dropped(self, owner: Owner) -> None:
-    #     """The scheduler freed every block of `owner` (a window reset): forget what `state` says of them."""
+    def fork_state(self, owner: Owner, blocks: BlockSource) -> dict[str, Any]:
+        """The child's `Owner.state` for a fork of `owner`, or RequestError when it cannot be forked now.
 
-    # ---- the idiom matcher (called by `passes/rewrite.py` for every attention site of a compiled graph) ----
-    def match(self, site: Any) -> Any:
-        """A `passes.site.Match` (pattern name + this family's `Expectation`) when the `passes.site.Site`'s
-        structure is this family's KV-cache idiom, else a string saying why not (it goes into the pass report)."""
+        The child shares every block of `owner` by reference count, so the family must never write a block it
+        did not take for the forward being planned (the scheduler checks this for every plan). Default: no forks.
+        """
+        raise RequestError(
+            f"{owner.owner_id!r} is a {self.name} {self.noun}, which cannot be forked: its family does not "
+            "implement fork_state"
+        )
+
+    def history_dropped(self, owner: Owner) -> None:
+        """The scheduler freed every block of `owner` (`reset`): forget what `owner.state` says of them."""
 
     # ---- the model side (driver, warm-up) ----
-    def owns_model(self, model: torch.nn.Module) -> bool: ...
+    @abc.abstractmethod
+    def owns_model(self, model: torch.nn.Module) -> bool:
+        """Whether `model` is one of this family's reference models."""
 
+    @abc.abstractmethod
     def blocks(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         """The model's list of compiled blocks (layer i of the runtime is element i)."""
 
-    def spec_for(self, model: torch.nn.Module, **request: Any) -> Any:
-        """The spec of one request/session of `model` (request: the family's request inputs)."""
+    @abc.abstractmethod
+    def spec_for(self, model: torch.nn.Module, **loop: Any) -> Any:
+        """The spec of one session/request of `model` run with the loop arguments `loop` (e.g. its prompts)."""
 
+    @abc.abstractmethod
+    def steps(self, model: torch.nn.Module, hooks: Any, **loop: Any) -> Any:
+        """The model's generation loop as a step generator (`models/hooks.py`: yields a `Forward` per forward)."""
+
+    def loop_arguments(self, runtime: Any, spec: Any, loop: dict[str, Any]) -> dict[str, Any]:
+        """The loop arguments a paged run uses on `runtime` (e.g. a padded capacity its buckets serve); called
+        before admission, so a request no bucket can serve is refused while it holds nothing."""
+        return loop
+
+    @abc.abstractmethod
     def default_buckets(self, model_cfg: Any) -> Sequence[Bucket] | None:
         """Buckets warm-up uses when none are configured (None: the family needs them configured)."""
 
+    @abc.abstractmethod
     def example_inputs(self, model: torch.nn.Module, runtime: Any, bucket: Bucket) -> tuple[tuple, dict]:
         """(args, kwargs) of one block call of `bucket`, as the model's own forward passes them."""
 
+    @abc.abstractmethod
     def standin_caches(self, runtime: Any, model: torch.nn.Module, batch: int, **geometry: Any) -> list:
         """Per layer what the dense model gets instead of its cache (`runtime.standin`)."""
+
+    def region_standins(self, runtime: Any, model: torch.nn.Module, batch: int) -> list:
+        """Per layer what the model gets instead of K/V it reads from shared write-once regions. Default: none."""
+        raise RequestError(f"{self.name} models read no shared write-once regions")
+
+    def demo(self, size: str, *, short: bool, device: str, **runtime_options: Any) -> "Demo | None":
+        """The `paged-kv demo` scene of this family (`Demo`), or None when it has none."""
+        return None
+
+
+def missing_members(family: Any) -> list[str]:
+    """What `family` lacks to be a `Family`: unset class attributes and unimplemented abstract methods."""
+    missing = [a for a in Family.REQUIRED_ATTRIBUTES if not hasattr(family, a)]
+    cls = family if isinstance(family, type) else type(family)
+    abstract = getattr(cls, "__abstractmethods__", None)
+    if abstract is None or not issubclass(cls, Family):
+        abstract = {n for n in Family.__abstractmethods__ if not callable(getattr(cls, n, None))}
+    return missing + sorted(abstract)
+
+
+@dataclass
+class Demo:
+    """What `paged-kv demo` runs for one family: a reference model, its runtime config and the loops to compare.
+
+    `loops` are the keyword arguments of each run of `Family.steps` (one session/request each, dense and paged
+    alike); `compare(dense_results, paged_results)` is the max abs difference; `dense_kv_bytes(caches)` is what
+    the dense caches handed to one loop hold (their reserved bytes)."""
+
+    describe: str
+    make_model: Callable[[], torch.nn.Module]
+    runtime_config: PagedKVConfig
+    loops: list[dict]
+    compare: Callable[[list, list], float]
+    info: dict = field(default_factory=dict)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,9 +20,9 @@ import torch
 from ..config import Bucket, PagedKVConfig
 from ..errors import CapacityError, ConfigError, RequestError
 from ..layout import RowLayout
-from ..models.dreamzero import DreamZeroModel
-from ..passes.site import Match, Site
-from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
+from ..models.dreamzero import DreamZeroModel, dreamzero_steps
+from ..passes.idioms import ROLLING_CACHE, WINDOW, RollingExpect, WindowExpect
+from .base import BlockSource, Family, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
 
 NAME = "dreamzero"
 KINDS = ("commit", "denoise")
@@ -114,44 +114,6 @@ class DreamZeroSpec:
         )
 
 
-@dataclass(frozen=True)
-class DreamZeroExpect:
-    """What a compiled window site assumes (read from the graph by `match` below)."""
-
-    window_tokens: int
-    sink_tokens: int
-    chunk_tokens: int
-    action_tokens: int
-    family: str = field(default=NAME, init=False)
-
-    @property
-    def context(self) -> int:
-        return self.window_tokens
-
-
-@dataclass(frozen=True)
-class RollingExpect:
-    """What a compiled frame of a rolling in-place cache with static indices assumes (Self-Forcing's, its
-    indices kept as a fill state; read from the graph by `_match_rolling`).
-
-    The frame reads `history_tokens` cache slots as they were before the forward plus the new chunk; one frame
-    exists per fill state, so the count is a constant of the frame. sink_tokens: the leading run of slots kept
-    when the frame reads a gap after it (an evicting frame); None when it reads one contiguous prefix of the
-    cache (everything the window holds so far), which fits any sink.
-    """
-
-    window_tokens: int
-    sink_tokens: int | None
-    chunk_tokens: int
-    history_tokens: int
-    action_tokens: int = 0
-    family: str = field(default=NAME, init=False)
-
-    @property
-    def context(self) -> int:
-        return self.window_tokens
-
-
 def dreamzero_buckets(model_cfg, rows: int | Sequence[int] = 2) -> tuple[Bucket, ...]:
     """DreamZero's forwards (commit and denoise alike) have one shape per row count."""
     rows = (rows,) if isinstance(rows, int) else tuple(rows)
@@ -183,16 +145,15 @@ def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessio
     return cfg
 
 
-def _kept_blocks(spec: DreamZeroSpec, block_size: int) -> tuple[int, int]:
-    """(sink blocks, most recent history blocks) any later forward can read."""
-    return spec.sink_tokens // block_size, (spec.window_tokens - spec.sink_tokens - spec.chunk_tokens) // block_size
-
-
-def _kept(spec: DreamZeroSpec, held: int, block_size: int) -> int:
-    """How many of `held` history blocks (per row) a finished commit keeps: the sink and the most recent rest."""
-    sink_blocks, keep = _kept_blocks(spec, block_size)
-    sink = min(held, sink_blocks)
-    return sink + min(held - sink, max(keep, 0))
+def _window_blocks(spec: DreamZeroSpec, row: list, block_size: int, windowed: int) -> tuple[list, list]:
+    """(kept, dropped) of a row's history blocks when `windowed` more tokens join the window: the sink, then the
+    most recent blocks that fit beside it and the new tokens. The one rule of what a window holds: what a forward
+    sees (`windowed` = its chunk) and what a finished commit keeps (`windowed` = the next chunk) both follow it."""
+    sink = min(len(row), spec.sink_tokens // block_size)
+    keep = max((spec.window_tokens - spec.sink_tokens - windowed) // block_size, 0)
+    rest = row[sink:]
+    recent = rest[max(len(rest) - keep, 0):] if keep else []
+    return row[:sink] + recent, rest[: len(rest) - len(recent)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -214,26 +175,19 @@ def session_blocks_per_row(spec: DreamZeroSpec, block_size: int) -> int:
             break
         new = frames * F // B
         peak = max(peak, held + new)
-        held = _kept(spec, held + new, B)
+        held = len(_window_blocks(spec, [None] * (held + new), B, spec.chunk_tokens)[0])
         frame += frames
     return peak
 
 
-def _visible_history(spec: DreamZeroSpec, row: list[int], block_size: int, windowed: int) -> list[int]:
-    """What a forward adding `windowed` tokens to the window sees: the sink, then the most recent rest."""
-    sink = min(len(row), spec.sink_tokens // block_size)
-    keep = (spec.window_tokens - spec.sink_tokens - windowed) // block_size
-    rest = row[sink:]
-    return row[:sink] + (rest[-keep:] if keep > 0 else [])
-
-
-class DreamZeroFamily:
+class DreamZeroFamily(Family):
     """The `Family` of DreamZero sessions (see `families/base.py`)."""
 
     name = NAME
     noun = "session"
     spec_type = DreamZeroSpec
     evict_lru = True
+    idioms = (WINDOW, ROLLING_CACHE)
 
     # ---- admission and forwards -------------------------------------------------------------
     def rows(self, spec: DreamZeroSpec, requested: int | None) -> int:
@@ -263,12 +217,12 @@ class DreamZeroFamily:
         return [0] * rows  # history blocks are taken by commits
 
     def plan(self, owner: Owner, blocks: BlockSource, kind: str, *, branch: int | None = None,
-             **info: Any) -> ForwardPlan:
+             **args: Any) -> ForwardPlan:
         """A commit (its K/V becomes history) or a denoising forward (scratch) of the session's chunk.
 
         branch: run only that row (CFG branch) as a batch-1 forward over its own cache; None: all rows.
         The phase's token counts come from the spec: a commit into an empty window is the first commit.
-        Other `info` (the rollout's start_frame, step, ...) does not change the layout.
+        Other `args` (the rollout's start_frame, step, ...) do not change the layout.
         """
         if kind not in KINDS:
             raise RequestError(f"unknown DreamZero forward kind {kind!r}; use 'commit' or 'denoise'")
@@ -311,7 +265,7 @@ class DreamZeroFamily:
                 raise RequestError(
                     f"this commit would make row {r} of session {owner.owner_id!r} hold {len(owner.rows[r]) + new} "
                     f"blocks per layer, beyond the {limit} its admission sized it for: its spec says the loop resets "
-                    f"the window at frame {owner.spec.reset_frames}. Call reset_window when the loop reaches that "
+                    f"the window at frame {owner.spec.reset_frames}. Call runtime.reset(session) when the loop reaches that "
                     "frame, or open the session with reset_frames=None (a sliding window)"
                 )
 
@@ -320,7 +274,7 @@ class DreamZeroFamily:
              a: int) -> RowLayout:
         """[visible history | chunk (new managed blocks, or scratch) | registers (scratch)]; i: the forward's row."""
         B = blocks.block_size
-        visible = _visible_history(spec, row, B, n)
+        visible, _ = _window_blocks(spec, row, B, n)
         h = len(visible) * B
         managed = visible + new
         scratch = blocks.scratch(i, len(managed), (h + n + a - 1) // B)
@@ -332,17 +286,12 @@ class DreamZeroFamily:
         """A commit becomes history; blocks no later forward can read (out of the window) are freed."""
         if plan.kind != "commit":
             return
-        # Keep what any later forward can read: the sink and the last (window - sink - chunk) tokens.
-        sink_blocks, keep = _kept_blocks(owner.spec, blocks.block_size)
+        # Keep what any later forward can read: the sink and the most recent tokens beside a next chunk.
         for r, new in enumerate(plan.new_blocks):
-            row = owner.rows[r] + new
-            sink = row[: min(len(row), sink_blocks)]
-            rest = row[len(sink) :]
-            kept = rest[-keep:] if keep > 0 else []
-            evicted = rest[: len(rest) - len(kept)]
+            kept, evicted = _window_blocks(owner.spec, owner.rows[r] + new, blocks.block_size, owner.spec.chunk_tokens)
             if evicted:
                 blocks.free(evicted)
-            owner.rows[r] = sink + kept
+            owner.rows[r] = kept
         commits = owner.state.setdefault("commits", [0] * owner.num_rows)
         for r, new in enumerate(plan.new_blocks):
             commits[r] += bool(new)
@@ -362,14 +311,14 @@ class DreamZeroFamily:
             raise RequestError(
                 f"session {owner.owner_id!r} is not at a chunk boundary: its rows (CFG branches) have committed "
                 f"{commits} chunks since the last window reset; commit the same chunk on every branch "
-                "(plan_dreamzero(..., branch=b)) before forking"
+                "(runtime.forward(session, 'commit', branch=b)) before forking"
             )
         return {"commits": commits}
 
     def history_dropped(self, owner: Owner) -> None:
         owner.state.pop("commits", None)
 
-    def check_expectation(self, expect: DreamZeroExpect | RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
+    def check_expectation(self, expect: WindowExpect | RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
         spec: DreamZeroSpec = owner.spec
         have = {"window_tokens": spec.window_tokens, "sink_tokens": spec.sink_tokens, **plan.phase}
         if isinstance(expect, RollingExpect):
@@ -381,56 +330,23 @@ class DreamZeroFamily:
             raise RequestError(
                 f"the compiled DreamZero site and session {owner.owner_id!r} disagree on "
                 + ", ".join(f"{k} (graph {g}, session {s})" for k, (g, s) in diff.items())
-                + ": open the session with DreamZeroSpec.from_model_config(model.config) (our reference model) or "
+                + ": admit the session with DreamZeroSpec.from_model_config(model.config) (our reference model) or "
                 f"DreamZeroSpec.from_vllm_omni(model) (vllm-omni's CausalWanModel); this was a {plan.kind} forward"
             )
 
     # ---- the model side -----------------------------------------------------------------------
-    # ---- the idiom matcher (called by passes/rewrite.py for every attention site) ----
-    def match(self, site: Site) -> Match | str:
-        """The idiom matcher: a `Match` for the window idiom, or why this site is not one.
-
-        Dense code: ``new_k = cat([cache[0], roped_k], 1)[:, -window:]`` (optionally with the first `sink`
-        tokens kept), ``k = cat([new_k, k_action])``, non-causal attention, ``stack([new_k, new_v])``
-        returned. Read structurally, its key columns are: a run of cache positions (``[0, sink)`` then
-        ``[sink + chunk, window)``), then every new chunk token, then every action token. Which new tokens
-        are the chunk is read from the graph (those concatenated with the cache history), not from
-        which tensor they come from: vllm-omni ropes [video | registers] in one call and slices both out of it.
-        The runtime's window/sink plan supplies exactly those history positions from the pool.
-        """
-        if site.read_back:
-            return _match_rolling(site)
-        if site.standin_ndim != 5:
-            return "history does not come from a (2, B, L, H, D) cache stand-in"
-        if site.args["attn_mask"] is not None or site.args["is_causal"]:
-            return "DreamZero's window attention is non-causal and unmasked; this site has a mask or is_causal"
-        if site.k_kv_index != 0 or site.v_kv_index != 1:
-            return "keys must come from cache[0] and values from cache[1]"
-        hist = site.history_positions
-        window = site.standin_seq_len
-        chunk = site.window_new_tokens
-        if chunk is None:
-            return "its keys never join cache history with new keys in one concatenation (cat([cache, new])[:, -window:])"
-        if len(hist) != window - chunk:
-            return f"the window keeps {len(hist)} history tokens; expected window - chunk = {window - chunk}"
-        sink = 0
-        while sink < len(hist) and hist[sink] == sink:
-            sink += 1
-        if hist[sink:] != list(range(sink + chunk, window)):
-            return "history positions are not a sink followed by the most recent window tokens"
-        expect = DreamZeroExpect(
-            window_tokens=window, sink_tokens=sink, chunk_tokens=chunk, action_tokens=sum(site.new_sizes) - chunk
-        )
-        return Match("dreamzero-window", expect, visibility="full")
-
     def owns_model(self, model: torch.nn.Module) -> bool:
         return isinstance(model, DreamZeroModel)
 
     def blocks(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         return model.blocks
 
-    def spec_for(self, model: torch.nn.Module, **request: Any) -> DreamZeroSpec:
+    def spec_for(self, model: torch.nn.Module, **loop: Any) -> DreamZeroSpec:
         return DreamZeroSpec.from_model_config(model.cfg)
+
+    def steps(self, model: torch.nn.Module, hooks: Any, **loop: Any):
+        """`models.dreamzero.dreamzero_steps` (num_chunks=, num_inference_steps=, seed=, ...)."""
+        return dreamzero_steps(model, hooks=hooks, **loop)
 
     def default_buckets(self, model_cfg) -> tuple[Bucket, ...]:
         return dreamzero_buckets(model_cfg)
@@ -446,49 +362,10 @@ class DreamZeroFamily:
 
     def region_standins(self, runtime, model: torch.nn.Module, batch: int) -> list[torch.Tensor]:
         """What the model gets instead of its `cross_kvs` when the session's cross-attention K/V is in shared
-        regions (`open_session(..., cross_kv=)`): one zero-stride `(2, batch, cross_len, H, D)` region stand-in."""
+        regions (`runtime.admit(..., cross_kv=)`): one zero-stride `(2, batch, cross_len, H, D)` region stand-in."""
         cfg = model.cfg
         standin = runtime.region_standin(2, batch, cfg.cross_len, cfg.num_heads, cfg.head_dim)
         return [standin] * cfg.num_layers
-
-
-def _match_rolling(site: Site) -> Match | str:
-    """A rolling in-place cache with static indices (Self-Forcing's `CausalWanSelfAttention` with its indices
-    kept as a fill state, tests/upstream/self_forcing.py: FillStateSelfAttention): the new chunk is written into
-    a preallocated (B, C, H, D) cache at constant slices, possibly after an in-place eviction shift, and attention
-    reads the keys/values back from it, every slot from 0 to the end of the new chunk.
-
-    Tag execution (passes/common.py: plan_writes) says which cache slots, as they were before the forward, the
-    attention reads: they must be a leading run (the sink, when a gap follows it) and one contiguous run after
-    it, in order, followed by the new chunk. The frame then reads a constant number of history tokens; which
-    tokens those slots hold is the dense driver's state, which the stand-in does not have: the runtime checks at
-    every call that the session's visible history has exactly that many tokens (`_check_rolling_history`).
-    """
-    if site.args["attn_mask"] is not None or site.args["is_causal"]:
-        return "a rolling cache's attention is non-causal and unmasked; this site has a mask or is_causal"
-    if len(site.new_sizes) != 1:
-        return "a rolling-cache frame attends over one new chunk after the cache history"
-    C, chunk, hist = site.store_seq_len, site.new_sizes[0], site.history_positions
-    if site.standin_seq_len and site.standin_seq_len != C:
-        return f"the cache it reads ({site.standin_seq_len} slots) is not the cache it writes ({C} slots)"
-    if site.k_kv_index not in (None, 0) or site.v_kv_index not in (None, 1):
-        return "keys must come from cache[0] and values from cache[1]"
-    if site.read_slots != list(range(len(hist) + chunk)):
-        return ("after its writes the attention must read the cache from slot 0 up to the end of the new chunk "
-                f"(it reads slots {site.read_slots[:3]}...{site.read_slots[-2:]}): the runtime's window supplies "
-                "everything the cache holds, the sink and the most recent tokens")
-    sink = 0
-    while sink < len(hist) and hist[sink] == sink:
-        sink += 1
-    rest = hist[sink:]
-    if rest and rest != list(range(rest[0], rest[0] + len(rest))):
-        return ("the cache slots it reads are not a sink followed by one contiguous run: the history it reads "
-                "cannot be the runtime's window (sink + most recent tokens)")
-    if len(hist) + chunk > C:
-        return f"it reads {len(hist)} history tokens plus a {chunk}-token chunk from a {C}-slot cache"
-    expect = RollingExpect(window_tokens=C, sink_tokens=sink if rest else None, chunk_tokens=chunk,
-                           history_tokens=len(hist))
-    return Match("rolling-cache", expect, visibility="full")
 
 
 def _check_rolling_history(expect: RollingExpect, owner: Owner, plan: ForwardPlan) -> None:

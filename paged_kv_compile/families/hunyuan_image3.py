@@ -10,20 +10,17 @@ order, ``[prompt | target | tail]``; pad tokens are neither written nor read.
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.fx as fx
 
 from ..config import Bucket, PagedKVConfig
 from ..errors import ConfigError, RequestError
 from ..layout import MaskLayout, RowLayout, layout_from_prefill_mask, mask_disagreement, mask_rows
-from ..models.hunyuan_image3 import HunyuanImage3Model, HunyuanKVCache
-from ..passes.common import ancestors, is_movement
-from ..passes.site import Match, Site
-from .base import BlockSource, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
+from ..models.hunyuan_image3 import HunyuanImage3Model, HunyuanKVCache, hunyuan_steps
+from ..passes.idioms import PREFILL_STORE, PREFIX_STEP, STATIC_CACHE, PrefixExpect
+from .base import BlockSource, Family, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
 
 NAME = "hunyuan_image3"
 KINDS = ("prefill", "step")
@@ -86,18 +83,6 @@ class HunyuanSpec:
         return torch.stack(masks)[:, None]
 
 
-@dataclass(frozen=True)
-class HunyuanExpect:
-    """What a compiled prefix site assumes (read from the graph by `match` below)."""
-
-    prefix_capacity: int
-    family: str = field(default=NAME, init=False)
-
-    @property
-    def context(self) -> int:
-        return self.prefix_capacity
-
-
 def hunyuan_buckets(model_cfg, prefix_capacities: Sequence[int], rows: Sequence[int] = (1, 2)) -> tuple[Bucket, ...]:
     """A prefill bucket (P + T tokens) and a step bucket (T tokens) per capacity and row count."""
     T = model_cfg.target_len
@@ -139,41 +124,14 @@ def prefix_capacity_for(buckets: Sequence[Bucket], prefix_lens: Sequence[int], t
     return fits[0]
 
 
-# What may turn the mask input into the mask the attention uses: slicing/reshaping, negation, and boolean to
-# additive conversion. Anything else (a tril, an `&` with another mask, ...) changes which keys are visible,
-# which the paged op takes from the request spec instead: such a site cannot be rewritten without a wrong answer.
-_MASK_FUNCTIONS = {
-    torch.where, torch.logical_not, operator.invert, torch.zeros, torch.zeros_like, torch.full, torch.full_like,
-}
-_MASK_METHODS = {"masked_fill", "masked_fill_", "logical_not", "__invert__", "to", "float", "half", "bfloat16", "type",
-                 "type_as", "bool"}
-
-
-def _mask_problem(mask: object) -> str:
-    if not isinstance(mask, fx.Node):
-        return ""
-    for n in [mask, *ancestors(mask)]:
-        if n.op in ("placeholder", "get_attr") or is_movement(n):
-            continue
-        if (n.op == "call_function" and n.target in _MASK_FUNCTIONS) or (
-            n.op == "call_method" and n.target in _MASK_METHODS
-        ):
-            continue
-        what = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-        return (
-            f"its mask is computed in the graph ({n.name}: {what}), so it may differ from the request's layout the "
-            "paged op uses (causal prompt, bidirectional image span): pass the final mask in as an input"
-        )
-    return ""
-
-
-class HunyuanImage3Family:
+class HunyuanImage3Family(Family):
     """The `Family` of HunyuanImage-3 requests (see `families/base.py`)."""
 
     name = NAME
     noun = "request"
     spec_type = HunyuanSpec
     evict_lru = False
+    idioms = (PREFILL_STORE, PREFIX_STEP, STATIC_CACHE)
 
     # ---- admission and forwards -------------------------------------------------------------
     def rows(self, spec: HunyuanSpec, requested: int | None) -> int:
@@ -196,7 +154,7 @@ class HunyuanImage3Family:
         return [ceil_div(p, B) for p in spec.prefix_lens]
 
     def plan(self, owner: Owner, blocks: BlockSource, kind: str, *, prefix_capacity: int | None = None,
-             attention_mask: torch.Tensor | None = None, **info: Any) -> ForwardPlan:
+             attention_mask: torch.Tensor | None = None, **args: Any) -> ForwardPlan:
         """A prefill (the whole dense sequence) or a denoising step (the target span only).
 
         The layout is read from the model's own prefill `attention_mask` once per request (required at the
@@ -223,7 +181,7 @@ class HunyuanImage3Family:
                 raise RequestError(
                     f"the prefill of request {owner.owner_id!r} needs the model's attention_mask: the runtime reads "
                     "each row's layout (where padding sits, which tokens are kept) from it once per request. Pass "
-                    "runtime.hunyuan_forward(..., phase='prefill', attention_mask=<the mask the model gets>)"
+                    "runtime.forward(request_id, 'prefill', prefix_capacity=P, attention_mask=<the mask the model gets>)"
                 )
             masks = mask_rows(attention_mask, rows)
             mask_layouts = [layout_from_prefill_mask(masks[0], 0)]
@@ -267,53 +225,29 @@ class HunyuanImage3Family:
         if plan.kind == "prefill":
             owner.version += 1
 
-    def check_expectation(self, expect: HunyuanExpect, owner: Owner, plan: ForwardPlan) -> None:
+    def check_expectation(self, expect: PrefixExpect, owner: Owner, plan: ForwardPlan) -> None:
         """The prefix capacity is the bucket's context, which the runtime already checks per call."""
 
     # ---- the model side -----------------------------------------------------------------------
-    # ---- the idiom matcher (called by passes/rewrite.py for every attention site) ----
-    def match(self, site: Site) -> Match | str:
-        """The idiom matcher: a `Match` for the prefix idiom (prefill or step), or why this site is not one.
-
-        Step 0 projects the whole sequence, stores ``cached_key[:, :P]`` (per-row zero-padded prefix) and
-        attends with the full 4-D mask. Later steps feed the target span only and attend over
-        ``cat([cached_key, key])`` after ``repeat_kv`` with the mask sliced to the target rows. Read
-        structurally, a later step's key columns are cache positions ``[0, P)`` then every new token; step 0's
-        are the new tokens only, plus a store into the cache stand-in. The causal/bidirectional structure of
-        the mask is the runtime's layout (``kv_visible_end``).
-        """
-        if site.args["is_causal"]:
-            return "is_causal=True is not HunyuanImage-3's layout (it passes an explicit causal/full mask)"
-        if site.args["attn_mask"] is None:
-            return "HunyuanImage-3's attention carries a 4-D mask; this site has none"
-        why = _mask_problem(site.args["attn_mask"])
-        if why:
-            return why
-        if site.write_indices:
-            return _match_static_cache(site)
-        if site.history_positions:
-            if site.standin_ndim != 4:
-                return "the cached prefix must be a (B, P, H, D) stand-in"
-            prefix = site.standin_seq_len
-            if site.history_positions != list(range(prefix)):
-                return "a later step must read the whole cached prefix [0, P) in order before the new tokens"
-            if len(site.new_sizes) != 1:
-                return "a later step appends one new key tensor after the prefix"
-            return Match("hunyuan-prefix-step", HunyuanExpect(prefix))
-        if not site.stores:
-            return "no cached prefix is read and none is stored: not a KV-cache site"
-        if len(site.new_sizes) != 1:
-            return "prefill attends over one freshly projected key tensor"
-        return Match("hunyuan-prefill", HunyuanExpect(site.store_seq_len))
-
     def owns_model(self, model: torch.nn.Module) -> bool:
         return isinstance(model, HunyuanImage3Model)
 
     def blocks(self, model: torch.nn.Module) -> torch.nn.ModuleList:
         return model.layers
 
-    def spec_for(self, model: torch.nn.Module, *, prompts: list[torch.Tensor], **request: Any) -> HunyuanSpec:
+    def spec_for(self, model: torch.nn.Module, *, prompts: list[torch.Tensor], **loop: Any) -> HunyuanSpec:
         return hunyuan_spec(model.cfg, prompts)
+
+    def steps(self, model: torch.nn.Module, hooks: Any, *, prompts: list[torch.Tensor], **loop: Any):
+        """`models.hunyuan_image3.hunyuan_steps` (prompts=, prefix_capacity=, num_steps=, seed=, ...)."""
+        return hunyuan_steps(model, prompts, hooks=hooks, **loop)
+
+    def loop_arguments(self, runtime, spec: HunyuanSpec, loop: dict[str, Any]) -> dict[str, Any]:
+        """The prefix capacity: the caller's, else the smallest the runtime's buckets serve for this spec."""
+        if loop.get("prefix_capacity") is None:
+            loop = {**loop, "prefix_capacity": prefix_capacity_for(runtime.config.buckets, spec.prefix_lens,
+                                                                   spec.target_len)}
+        return loop
 
     def default_buckets(self, model_cfg) -> None:
         return None  # the prefix capacities are the deployment's choice: configure them
@@ -327,28 +261,6 @@ class HunyuanImage3Family:
         cfg = model.cfg
         standin = runtime.standin(batch, prefix_capacity, cfg.num_kv_heads, cfg.head_dim, writable=True)
         return [HunyuanKVCache(standin, standin) for _ in range(cfg.num_layers)]
-
-
-def _match_static_cache(site: Site) -> Match | str:
-    """Tencent's HunyuanStaticCache idiom: the new K/V written into a static (B, Hkv, S, D) cache with
-    `index_copy_` at `position_ids`, then attention over the whole cache with the mask.
-
-    Read structurally (passes/common.py: plan_writes), the key columns are the cache columns the new tokens did
-    not overwrite, in order, then the new tokens (the probe puts them last). Which dense column holds which
-    logical position is the layout read from the prefill mask; the runtime checks `position_ids` against it at
-    every call (layout.write_positions_problem), so a write elsewhere is refused, never computed.
-    """
-    lengths = {length for _, _, length in site.write_indices}
-    if len(lengths) != 1:
-        return "keys and values are written into caches of different lengths"
-    S = lengths.pop()
-    if len(site.new_sizes) != 1:
-        return "a static-cache site writes one new key tensor"
-    T = site.new_sizes[0]
-    if site.history_positions != list(range(S - T)):
-        return (f"after writing {T} new tokens at position_ids the attention must read the whole static cache "
-                f"[0, {S}) in order (it reads {len(site.history_positions)} other cache columns)")
-    return Match("hunyuan-static-cache", HunyuanExpect(S))
 
 
 def _check_against_spec(r: int, ml: MaskLayout, p: int, spec: HunyuanSpec) -> None:

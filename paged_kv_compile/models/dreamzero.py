@@ -484,7 +484,7 @@ def dreamzero_steps(
         image_context = noise(1, cfg.image_len, cfg.image_dim)
     if image_context is not None:
         image_context = image_context.expand(2, -1, -1)  # both branches see the image
-    cross_kvs = hooks.cross_kvs(model, model.prepare_cross_kv(context, image_context))
+    cross_kvs = hooks.write_once_kv(model, model.prepare_cross_kv(context, image_context))
     caches = hooks.caches(model, 2)
 
     sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
@@ -522,7 +522,7 @@ def dreamzero_steps(
         previous = (current_start_frame, x, a)
         current_start_frame += cfg.num_frame_per_block
         if current_start_frame >= cfg.window_reset_frames:
-            hooks.window_reset()
+            hooks.reset_history()
             caches = hooks.caches(model, 2)
             current_start_frame, previous = 0, None
             resets.append(chunk)
@@ -557,7 +557,7 @@ def dreamzero_rollout(
          (`hooks.forward("denoise", start_frame=..., step=i)`, `update_kv_cache=False`), CFG
          combine v = v_u + g (v_c - v_u), Euler step x += (t_next - t) v from seeded noise;
       3. advance current_start_frame by num_frame_per_block; when it reaches window_reset_frames:
-         `hooks.window_reset()`, fresh caches from `hooks.caches`, current_start_frame = 0,
+         `hooks.reset_history()`, fresh caches from `hooks.caches`, current_start_frame = 0,
          nothing to commit next.
     context (1, text_len, text_dim) / image_context (1, image_len, image_dim) default to seeded
     random features. Returns dict(video (num_chunks, chunk_tokens, in_channels), actions

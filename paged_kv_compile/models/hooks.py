@@ -23,7 +23,7 @@ import torch
 class Forward:
     """One model forward a loop asks for: run `call()` inside `hooks.forward(kind, **info)`, send back its result."""
 
-    kind: str  # "commit" | "denoise" (DreamZero), "prefill" | "step" (HunyuanImage-3)
+    kind: str  # the loop's forward kind: "commit" | "denoise" (DreamZero), "prefill" | "step" (HunyuanImage-3)
     index: int  # the chunk (DreamZero) or the denoising step (HunyuanImage-3) it belongs to
     call: Callable[[], Any]
     info: dict[str, Any] = field(default_factory=dict)
@@ -52,14 +52,14 @@ class DenseHooks:
         """Per layer the cache the model's attention reads (geometry: e.g. prefix_capacity)."""
         return model.dense_caches(batch, **geometry)
 
-    def cross_kvs(self, model: torch.nn.Module, cross_kvs: list) -> list:
-        """What the model's cross-attention reads, given the session's write-once K/V (computed once per session):
-        the dense K/V themselves; a paged driver may keep them in shared regions and hand out stand-ins."""
-        return cross_kvs
+    def write_once_kv(self, model: torch.nn.Module, kvs: list) -> list:
+        """What the model reads for K/V computed once per session and never written again (e.g. cross-attention
+        K/V): the dense K/V themselves; a paged driver may keep them in shared regions and hand out stand-ins."""
+        return kvs
 
     def forward(self, kind: str, **info: Any) -> contextlib.AbstractContextManager:
-        """Context around one model forward; kind in {"commit", "denoise", "prefill", "step"}."""
+        """Context around one model forward; `kind` is the loop's (e.g. "commit", "denoise", "prefill", "step")."""
         return contextlib.nullcontext()
 
-    def window_reset(self) -> None:
-        """Called when a DreamZero window resets (history dropped); dense caches are simply replaced."""
+    def reset_history(self) -> None:
+        """Called when the loop drops its history (e.g. a window reset); dense caches are simply replaced."""

@@ -25,10 +25,10 @@ import torch.fx as fx
 from ..errors import PassError
 from ..metadata import layer_block_table, layer_metadata
 from .. import families
-from ..families.base import Expectation
+from .idioms import Expectation, Match
 from .common import SDPA_TARGETS, example, find_parameter, movement_leaves, movement_replay, sdpa_args, to_bshd
 from .region import region_source
-from .site import Match, Site, analyze, store_nodes
+from .site import Site, analyze, store_nodes
 
 
 @dataclass
@@ -100,6 +100,25 @@ def _output_standin_replacements(graph: fx.Graph, standins: set[fx.Node]) -> set
     return added
 
 
+def match_site(site: Site) -> Match | str:
+    """The one idiom of the registered families that `site` is, or why it is none of them (or several: a site two
+    idioms match is ambiguous and refused, both named, rather than rewritten by whichever is asked first)."""
+    hits, reasons = [], []
+    for idiom, accepted_by in families.accepted_idioms():
+        got = idiom.match(site)
+        if isinstance(got, Match):
+            hits.append((idiom, accepted_by, got))
+        else:
+            reasons.append(f"{idiom.name}: {got}")
+    if len(hits) == 1:
+        return hits[0][2]
+    if hits:
+        return ("ambiguous: it matches " + " and ".join(
+            f"idiom {idiom.name!r} (accepted by {', '.join(by)})" for idiom, by, _ in hits)
+            + "; one site must be one idiom: make one family's idiom stricter or do not register both families")
+    return "; ".join(reasons) or "no registered family accepts an idiom"
+
+
 def rewrite(
     gm: fx.GraphModule,
     example_inputs: list,
@@ -159,17 +178,9 @@ def rewrite(
         if site is None:
             reports.append(SiteReport(node.name, "-", None, "dense", "reads no cache stand-in (e.g. cross-attention)"))
             continue
-        why = site if isinstance(site, str) else ""
-        match: Match | None = None
-        if not why:
-            reasons = []
-            for family in families.FAMILIES:  # each family's idiom matcher, in registry order
-                got = family.match(site)
-                if isinstance(got, Match):
-                    match = got
-                    break
-                reasons.append(f"{family.name}: {got}")
-            why = "" if match else "; ".join(reasons)
+        got = site if isinstance(site, str) else match_site(site)
+        match: Match | None = got if isinstance(got, Match) else None
+        why = "" if match else got
         weight = find_parameter([span.use.node for span in site.k_new], params) if match else None
         if match and weight is None:
             why = "no per-layer 2-D weight feeds its keys, so the layer cannot be identified at run time"

@@ -3,7 +3,7 @@
 `analyze` turns one SDPA node into a `Site` (or says why it cannot be read): the keys split into a
 run of history columns from a cache stand-in followed by the freshly computed tokens, the values
 alike, the query made of the same new tokens, and any store of those keys into a stand-in.
-The family modules decide from a `Site` whether it is their idiom (`Match`).
+The idioms (`passes/idioms/`) decide from a `Site` whether it is theirs (`Match`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..families.base import Expectation
 from .common import (
     STORE_VALUE_ARG,
     LeafUse,
@@ -32,18 +31,6 @@ from .common import (
 )
 
 STORE_METHODS = {"copy_", "__setitem__", "index_put_", "index_copy_", "fill_", "zero_", "masked_fill_"}
-
-
-@dataclass
-class Match:
-    """A family idiom recognized at a site; `expect` is checked against the live owner at call time.
-
-    visibility: the op's hint for vendor kernels: "full" when every query sees its whole row.
-    """
-
-    pattern: str
-    expect: Expectation
-    visibility: str = "general"
 
 
 @dataclass

@@ -59,7 +59,7 @@ class PagedKV:
         self.num_layers = len(model.blocks)
 
     def reset(self) -> None:
-        self.runtime.reset_window(self.session_id)
+        self.runtime.reset(self.session_id)
 
     def get(self, branch: int) -> list[torch.Tensor]:
         return [self.standin] * self.num_layers

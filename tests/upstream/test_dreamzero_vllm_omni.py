@@ -40,12 +40,12 @@ def _pair(omni, inner: str, calls: int, **model_kw):
         block_size=spec.frame_seqlen, blocks_per_layer=2 * (spec.window_frames + spec.chunk_frames), max_rows=2,
         scratch_tokens_per_row=spec.tokens_per_forward, buckets=spec.buckets(rows=1), kernel="reference"))
     rt.bind(model.blocks)
-    rt.open_session("s", spec, rows=2)  # two CFG branches, one cache each
+    rt.admit("s", spec, rows=2)  # two CFG branches, one cache each
     backend = CountingBackend({"inner_compiler": inner, "strict": True})
     for block in model.blocks:  # as DreamZeroPipeline.setup_compile does
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
-    kv = PagedKV(model, rt, "s", lambda kind, branch: rt.dreamzero_forward("s", commit=kind == "commit",
-                                                                           branch=branch))
+    kv = PagedKV(model, rt, "s", lambda kind, branch: rt.forward("s", "commit" if kind == "commit" else "denoise",
+                                                                 branch=branch))
     with torch.no_grad(), torch.compiler.config.patch(dynamic_sources=START_FRAME_IS_A_VALUE):
         paged = run_session(model, kv, calls=calls, frame_hw=frame_hw)
     return dense, paged, backend, spec

@@ -59,8 +59,8 @@ def _session_runtime(module, sink_frames: int = 0) -> PagedKVRuntime:
                                       blocks_per_layer=WINDOW_FRAMES + 1, max_rows=1,
                                       scratch_tokens_per_row=BLOCK_FRAMES * FRAME, kernel="reference"))
     rt.bind([module])
-    rt.open_session("s", DreamZeroSpec(frame_seqlen=FRAME, chunk_frames=BLOCK_FRAMES, window_frames=WINDOW_FRAMES,
-                                       sink_frames=sink_frames), rows=1)
+    rt.admit("s", DreamZeroSpec(frame_seqlen=FRAME, chunk_frames=BLOCK_FRAMES, window_frames=WINDOW_FRAMES,
+                                sink_frames=sink_frames), rows=1)
     return rt
 
 
@@ -118,8 +118,8 @@ def test_window_rewrite_of_the_rolling_cache_pages_with_parity():
                                       blocks_per_layer=WINDOW_FRAMES + 1, max_rows=1, scratch_tokens_per_row=n,
                                       kernel="reference"))
     rt.bind([module])
-    rt.open_session("s", DreamZeroSpec(frame_seqlen=FRAME, chunk_frames=BLOCK_FRAMES, window_frames=WINDOW_FRAMES),
-                    rows=1)
+    rt.admit("s", DreamZeroSpec(frame_seqlen=FRAME, chunk_frames=BLOCK_FRAMES, window_frames=WINDOW_FRAMES),
+             rows=1)
     backend = CountingBackend({"inner_compiler": "aot_eager", "strict": True})
     compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
     standin = rt.standin(2, 1, C, 2, 16)
@@ -127,9 +127,9 @@ def test_window_rewrite_of_the_rolling_cache_pages_with_parity():
     with torch.no_grad():
         for noisy, clean in blocks:
             for x in noisy:
-                with rt.dreamzero_forward("s", commit=False):
+                with rt.forward("s", "denoise"):
                     got.append(compiled(x, standin)[0])
-            with rt.dreamzero_forward("s", commit=True):
+            with rt.forward("s", "commit"):
                 compiled(clean, standin)
     assert len(got) == len(expected) and BLOCKS * n > C, "the rollout must roll the window"
     err = max((a - b).abs().max().item() for a, b in zip(got, expected))
@@ -178,9 +178,9 @@ def test_fill_state_rolling_cache_pages_in_place_with_parity(sink):
         for b, (noisy, clean) in enumerate(blocks):
             module.start_block(cache)
             for x in noisy:
-                with rt.dreamzero_forward("s", commit=False):
+                with rt.forward("s", "denoise"):
                     got.append(compiled(x, cache, b * FRAME))
-            with rt.dreamzero_forward("s", commit=True):
+            with rt.forward("s", "commit"):
                 compiled(clean, cache, b * FRAME)
     err = max((a - b).abs().max().item() for a, b in zip(got, expected))
     print(f"[figure] fill-state rolling cache (sink {sink} frames) paged vs original dense: max abs error {err:.2e}")
@@ -203,16 +203,16 @@ def test_fill_state_out_of_step_with_the_session_is_refused():
         for b, (noisy, clean) in enumerate(blocks[:2]):
             module.start_block(cache)
             for i, x in enumerate(noisy + [clean]):
-                with rt.dreamzero_forward("s", commit=i == len(noisy)):
+                with rt.forward("s", "commit" if i == len(noisy) else "denoise"):
                     compiled(x, cache, b * FRAME)
         before = rt.state()
         x = blocks[2][0][0]
         with pytest.raises(RequestError, match="reads 8 history tokens .* shows 16"):  # start_block forgotten
-            with rt.dreamzero_forward("s", commit=False):
+            with rt.forward("s", "denoise"):
                 compiled(x, cache, 2 * FRAME)
         assert rt.state() == before
         with pytest.raises(RequestError, match="reads 0 history tokens .* shows 16"):  # a fresh cache dict
-            with rt.dreamzero_forward("s", commit=False):
+            with rt.forward("s", "denoise"):
                 compiled(x, _standin_cache(rt, module), 2 * FRAME)
         assert rt.state() == before
 
@@ -240,7 +240,7 @@ def test_rolling_cache_with_absolute_static_indices_is_never_wrong():
             before = rt.state()
             try:
                 for i, x in enumerate(noisy + [clean]):
-                    with rt.dreamzero_forward("s", commit=i == len(noisy)):
+                    with rt.forward("s", "commit" if i == len(noisy) else "denoise"):
                         out = compiled(x, cache, b * FRAME)
                     if i < len(noisy):
                         got.append(out)
@@ -262,7 +262,7 @@ def test_rolling_cache_with_absolute_static_indices_is_never_wrong():
             before = rt.state()
             try:
                 for i, x in enumerate(noisy + [clean]):
-                    with rt.dreamzero_forward("s", commit=i == len(noisy)):
+                    with rt.forward("s", "commit" if i == len(noisy) else "denoise"):
                         compiled(x, cache, b * FRAME)
             except Exception as e:  # noqa: BLE001 - inspected below
                 err = e if isinstance(e, PassError) else (getattr(e, "inner_exception", None) or e.__cause__)

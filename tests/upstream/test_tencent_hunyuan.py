@@ -82,12 +82,12 @@ def _paged(req, options=None):
     rt.bind(layers)
     backend = CountingBackend({"inner_compiler": "aot_eager", "strict": True, **(options or {})})
     compile_blocks(torch.nn.ModuleList(layers), backend)
-    rt.admit_request("r", HunyuanSpec.from_prefill_mask(req["mask"], req["scatter"][:, -1].tolist(), req["T"]))
+    rt.admit("r", HunyuanSpec.from_prefill_mask(req["mask"], req["scatter"][:, -1].tolist(), req["T"]))
     keys, values = static_cache_standins(rt, rows=B, num_kv_heads=CFG.num_key_value_heads, max_cache_len=S,
                                          head_dim=CFG.attention_head_dim, num_layers=LAYERS)
 
     def around(phase, mask):
-        return rt.hunyuan_forward("r", phase=phase, prefix_capacity=S, attention_mask=mask)
+        return rt.forward("r", phase, prefix_capacity=S, attention_mask=mask)
 
     return layers, rt, backend, th.HunyuanStaticCache(keys, values), around
 
@@ -101,13 +101,13 @@ def test_tencent_static_cache_pages_as_written(case):
     with torch.compiler.config.patch(dynamic_sources=LAYER_IDX_SOURCE):
         layers, rt, backend, cache, around = _paged(req, {"check_mask": True})
         paged = _run(layers, cache, req, around, one_d=one_d)
-    rt.finish_request("r")
+    rt.release("r")
     err = max((a - b).abs().max().item() for a, b in zip(dense, paged))
     print(f"[figure] Tencent HunyuanImage-3 static cache ({case}) paged vs dense eager: max abs error {err:.2e}")
     assert err <= 1e-5, err
     assert backend.frames == 2  # prefill bucket + step bucket, each serving both layers
     reports = [r for res in backend.results for r in res.reports]
-    assert [r.pattern for r in reports] == ["hunyuan-static-cache"] * 2 and all(r.status == "rewritten" for r in reports)
+    assert [r.pattern for r in reports] == ["static-cache"] * 2 and all(r.status == "rewritten" for r in reports)
     assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
 
 

@@ -116,13 +116,13 @@ def test_vllm_omni_hunyuan_pages_right_padded_cfg_rows(omni, omni_ctx):
     backend = CountingBackend({"inner_compiler": "aot_eager", "check_mask": True})
     compile_blocks(torch.nn.ModuleList(layers), backend)
     spec = adapter.spec(req["mask"], req["scatter"], req["step"]["position_ids"].shape[1])
-    runtime.admit_request("r", spec)
+    runtime.admit("r", spec)
 
     def around(phase, mask):
         return adapter.forward("r", phase=phase, attention_mask=mask)
 
     paged = _run(layers, req, around)
-    runtime.finish_request("r")
+    runtime.release("r")
     err = _max_err(dense, paged, valid)
     print(f"vllm-omni HunyuanImage-3 paged vs dense eager: max {err:.3e}; dense compiled vs eager: {bound:.3e}")
     assert err <= max(bound, 2 ** -8)  # bf16: within what dense compilation changes (floor: one bf16 ulp at 1)
@@ -131,6 +131,6 @@ def test_vllm_omni_hunyuan_pages_right_padded_cfg_rows(omni, omni_ctx):
     # (`self.custom_pos_emb`) at the first step and reads the cache afterwards.
     assert backend.frames == 3
     patterns = sorted(r.pattern for res in backend.results for r in res.reports)
-    assert patterns == ["hunyuan-prefill"] + ["hunyuan-prefix-step"] * 2
+    assert patterns == ["prefill-store"] + ["prefix-step"] * 2
     assert all(r.status == "rewritten" for res in backend.results for r in res.reports)
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
