@@ -140,3 +140,100 @@ def test_runner_lru_warmup_and_fail_closed(omni):
 def test_unknown_paged_kv_option_is_refused(omni):
     with pytest.raises(ValueError, match="unknown keys \\['kernal'\\]"):
         _runner(omni, RUNNER_PATH, model_config={"paged_kv": {"kernal": "triton"}})
+
+
+class _StatesKV:
+    """`dreamzero_pipeline.run_session`'s cache interface over session states of the adapter: CFG branch b's
+    forwards go to `states[b]` (one state for both branches on one rank; one per rank under CFG-parallel), each
+    forward announced as `_kv_get` announces it and closed as the runner closes an invocation."""
+
+    def __init__(self, model, states, names=("positive", "negative")) -> None:
+        self.states, self.names = states, names
+        self.fs, self.nfpb = model.frame_seqlen, model.num_frame_per_block
+        self.first = {0: True, 1: True}
+        self.kind = None
+
+    def reset(self) -> None:
+        for state in {id(s): s for s in self.states.values()}.values():
+            state.reset()
+        self.first = {0: True, 1: True}
+
+    def forward(self, kind: str, branch: int):
+        import contextlib
+
+        self.kind, self.seq_len = kind, self.fs if kind == "commit" and self.first[branch] else self.nfpb * self.fs
+        if kind == "commit":
+            self.first[branch] = False
+        return contextlib.nullcontext()
+
+    def get(self, branch: int):
+        return self.states[branch].get_kv_caches(self.names[branch], seq_len=self.seq_len,
+                                                 commit_current=self.kind == "commit")
+
+    def done(self, kind: str, branch: int, updated) -> None:
+        if kind == "commit":
+            self.states[branch].commit_paged_context(self.names[branch])
+        self.states[branch].end_invocation()
+
+
+def test_cfg_parallel_shape_one_row_per_rank(omni, omni_ctx):
+    """Under CFG-parallel DreamZero's spec gives both branches local index 0 (`ar_diffusion_kv_cache_spec`:
+    `negative_local_index = 0 if cfg_world >= 2`), so each rank's runtime holds one row and runs only its branch.
+    Two such ranks (each its own model copy and runtime, the branch's forwards as batch-1 forwards) and one rank
+    holding both rows give the dense outputs, through two window resets."""
+    import dataclasses
+
+    from paged_kv_compile.adapters.vllm_omni_ar_diffusion import DreamZeroPagedKV
+
+    from .dreamzero_pipeline import DenseKV, run_session
+
+    def ranks_spec(spec):
+        return dataclasses.replace(spec, kv_branches=tuple(dataclasses.replace(b, local_index=0)
+                                                           for b in spec.kv_branches))
+
+    def paged_model(cfg_parallel: bool):
+        pipeline = dr.build_pipeline(GEOMETRY, omni_ctx)
+        spec = pipeline.ar_diffusion_kv_cache_spec()
+        kv = DreamZeroPagedKV.build(pipeline.transformer, ranks_spec(spec) if cfg_parallel else spec,
+                                    available_bytes=BUDGET, memory_fraction=0.1, dtype=torch.float32,
+                                    kernel="reference", inner_compiler="aot_eager")
+        for block in pipeline.transformer.blocks:
+            block.forward = torch.compile(block.forward, backend="paged_kv", fullgraph=True, dynamic=False)
+        return pipeline.transformer, kv
+
+    model = omni.tiny_dreamzero_model()
+    with torch.no_grad():
+        dense = run_session(model, DenseKV(model), calls=5)
+    (m0, kv0), (m1, kv1) = paged_model(True), paged_model(True)
+    one, kv_one = paged_model(False)
+    assert kv0.rows == kv1.rows == 1 and kv_one.rows == 2
+    rank0, rank1 = kv0.begin_session("s"), kv1.begin_session("s")
+    both = kv_one.begin_session("s")
+    with torch.no_grad(), torch.compiler.config.patch(dynamic_sources="L['current_start_frame']"):
+        # rank 0 runs the positive branch, rank 1 the negative one; run_session interleaves them per step
+        split = run_session(_TwoRanks(m0, m1), _StatesKV(m0, {0: rank0, 1: rank1}), calls=5)
+        torch._dynamo.reset()  # one process holds pools of two geometries here (ranks are processes when serving)
+        together = run_session(one, _StatesKV(one, {0: both, 1: both}), calls=5)
+    assert dense["resets"] == split["resets"] == [2, 4]
+    for got in (split, together):
+        assert max((dense[k] - got[k]).abs().max().item() for k in ("video", "actions")) <= ATOL
+    assert kv0.runtime.owner(rank0._owner).num_rows == 1
+
+
+class _TwoRanks(torch.nn.Module):
+    """Two model copies as one callable: a branch-0 forward runs on rank 0's copy, a branch-1 forward on rank 1's
+    (the branch is read from the state behind the cache contexts)."""
+
+    def __init__(self, rank0, rank1) -> None:
+        super().__init__()
+        self.ranks = (rank0, rank1)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.ranks[0], name)
+
+    def forward(self, *args, **kwargs):
+        branch = args[4][0].forward_ctx.kv_branch
+        return self.ranks[0 if branch == "positive" else 1](*args, **kwargs)
