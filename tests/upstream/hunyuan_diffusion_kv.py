@@ -74,6 +74,9 @@ def probe(*, uva: bool = True) -> dict[str, Any]:
             runner.set_kv_cache_config(config)
             reached.append(step)
             step = "scheduler reserve_request (two CFG rows)"
+            from vllm.v1.core import single_type_kv_cache_manager
+
+            single_type_kv_cache_manager.register_all_kvcache_specs(vc)  # as initialization.py's control plane does
             manager = DiffusionKVCacheManager(config, max_model_len=64, scheduler_block_size=spec.block_size,
                                               hash_block_size=spec.block_size)
             req = hp.request_inputs()
