@@ -292,12 +292,14 @@ class PagedKVSessionState:
         """Finish (error None) or roll back the forward in flight, if any."""
         if self._running is None:
             return
-        _, cm = self._running
+        forward, cm = self._running
         self._running = None
         if error is None:
             cm.__exit__(None, None, None)
-        else:
-            cm.__exit__(type(error), error, error.__traceback__)
+            return
+        if self._pending.get(forward.kv_branch) is forward:
+            del self._pending[forward.kv_branch]  # rolled back: nothing of it is left to commit
+        cm.__exit__(type(error), error, error.__traceback__)
 
     def commit_paged_context(self, kv_branch: str) -> None:
         """After a successful commit forward of `kv_branch`: its K/V becomes the branch's history."""
@@ -309,11 +311,18 @@ class PagedKVSessionState:
             self._stop(None)
 
     def end_invocation(self, error: BaseException | None = None) -> None:
-        """The runner invocation ended: finish (or, on `error`, roll back) the forward still open."""
-        if self._running is not None and error is None and self._running[0].commit_current:
-            error = RuntimeError("the invocation ended before the commit was confirmed")
+        """The runner invocation ended: finish (or, on `error`, roll back) the forward still open. A commit the
+        pipeline never confirmed (`commit_paged_context`) is rolled back and raised: its K/V must not become
+        history unconfirmed, and the runner then releases the session (fail closed)."""
+        unconfirmed = self._running is not None and error is None and self._running[0].commit_current
+        if unconfirmed:
+            branch = self._running[0].kv_branch
+            error = RuntimeError(f"the invocation ended before the {branch!r} commit was confirmed "
+                                 "(commit_paged_context): it was rolled back")
         self._stop(error)
         self._pending.clear()
+        if unconfirmed:
+            raise error
 
     # ---- cross-attention (kept per session and branch, like vllm-omni's pools) ----------------------
     def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:

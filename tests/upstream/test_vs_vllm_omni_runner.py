@@ -237,3 +237,49 @@ class _TwoRanks(torch.nn.Module):
     def forward(self, *args, **kwargs):
         branch = args[4][0].forward_ctx.kv_branch
         return self.ranks[0 if branch == "positive" else 1](*args, **kwargs)
+
+
+def test_session_state_refuses_bad_calls_and_leaves_the_runtime_as_it_was(omni, omni_ctx):
+    """What the pipeline could get wrong is refused with the problem named, and the runtime does not change:
+    an unknown branch, a frame-misaligned forward, a forward whose size disagrees with the session's window (rolled
+    back), a commit never confirmed before the next forward (rolled back)."""
+    from paged_kv_compile.adapters.vllm_omni_ar_diffusion import DreamZeroPagedKV
+    from paged_kv_compile.errors import RequestError
+
+    pipeline = dr.build_pipeline(GEOMETRY, omni_ctx)
+    kv = DreamZeroPagedKV.build(pipeline.transformer, pipeline.ar_diffusion_kv_cache_spec(), available_bytes=BUDGET,
+                                memory_fraction=0.1, dtype=torch.float32, kernel="reference",
+                                inner_compiler="aot_eager")
+    state = kv.begin_session("s")
+    fs = GEOMETRY.frame_seqlen
+    before = kv.runtime.state()
+
+    with pytest.raises(RequestError, match="unknown KV branch 'neutral'.*'positive', 'negative'"):
+        state.get_kv_caches("neutral", seq_len=fs, commit_current=True)
+    with pytest.raises(AssertionError, match="frame-aligned"):
+        state.get_kv_caches("positive", seq_len=fs + 1, commit_current=True)
+    # the first commit of an empty window is one frame; announcing two is refused when the blocks would run
+    layers = state.get_kv_caches("positive", seq_len=2 * fs, commit_current=True)
+    with pytest.raises(RequestError, match=f"planned {fs} tokens .* model runs {2 * fs}"):
+        layers[0].forward_ctx.prepare(torch.device("cpu"), 0, 2 * fs)
+    assert kv.runtime.state() == before and kv.runtime.active is None
+
+    first = state.get_kv_caches("positive", seq_len=fs, commit_current=True)
+    first[0].forward_ctx.prepare(torch.device("cpu"), 0, fs)
+    assert kv.runtime.active is not None
+    other = state.get_kv_caches("negative", seq_len=fs, commit_current=True)
+    with pytest.raises(RuntimeError, match="'positive' commit forward was not committed"):
+        other[0].forward_ctx.prepare(torch.device("cpu"), 0, fs)
+    assert kv.runtime.state() == before and kv.runtime.active is None
+
+
+def test_unconfirmed_commit_fails_the_invocation_closed(omni):
+    """A pipeline that runs a commit forward and never confirms it: the runner's invocation raises, the commit is
+    rolled back and the session released, and the runtime holds nothing."""
+    runner, od = _runner(omni, RUNNER_PATH, model_config=OURS)
+    runner.pipeline._kv_commit = lambda is_negative: None  # a pipeline that forgets _kv_commit
+    with pytest.raises(RuntimeError, match="'positive' commit forward was not committed"):
+        _serve(omni, runner, od, _requests("s", dr.request_inputs(GEOMETRY, 1)))
+    runtime = runner.kv_cache.runtime
+    assert not runner._sessions and runtime.owner_ids() == [] and runtime.active is None
+    assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
