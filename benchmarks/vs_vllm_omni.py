@@ -370,9 +370,9 @@ def hunyuan_rows(*, repeats: int, threads: int) -> tuple[list[dict], dict]:
                 def around(phase, mask):
                     if phase == "prefill":  # each pass is a new request: finish the last one, admit the next
                         if live:
-                            runtime.finish_request(live.pop())
+                            runtime.release(live.pop())
                         live.append(f"r{next(requests)}")
-                        runtime.admit_request(live[-1], spec)
+                        runtime.admit(live[-1], spec)
                     return adapter.forward(live[-1], phase=phase, attention_mask=mask)
 
                 rows.append(measured("paged_kv", f"fullgraph, {inner}", layers, dense, around)[0])

@@ -136,20 +136,20 @@ class DreamZeroPagedKV:
                 f"unknown KV branch {kv_branch!r}; this pipeline declares {tuple(self.branch_rows)}"
             ) from None
 
-    # The runtime calls of this adapter, in one place (the generic API replaces them: issue 22).
+    # The runtime calls of this adapter, in one place.
     def _admit(self, session_id: str) -> str:
         owner = f"{session_id}#{next(self._owner_ids)}"  # runtime ids are single-use; vllm-omni reuses names
-        self.runtime.open_session(owner, self.spec, rows=self.rows)
+        self.runtime.admit(owner, self.spec, rows=self.rows)
         return owner
 
     def _forward(self, owner: str, *, commit: bool, row: int):
-        return self.runtime.dreamzero_forward(owner, commit=commit, branch=row)
+        return self.runtime.forward(owner, "commit" if commit else "denoise", branch=row)
 
     def _drop_history(self, owner: str) -> None:
-        self.runtime.reset_window(owner)
+        self.runtime.reset(owner)
 
     def _release(self, owner: str) -> None:
-        self.runtime.close_session(owner)
+        self.runtime.release(owner)
 
 
 def plan_budget(ar_spec, spec: DreamZeroSpec, cfg: PagedKVConfig, *, available_bytes: int,
