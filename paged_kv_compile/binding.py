@@ -50,13 +50,24 @@ def bind_layers(runtime: Runtime, layers: Sequence[torch.nn.Module]) -> dict[int
     # Validate everything before changing anything: a refused bind leaves every binding as it was.
     for ptr in table:
         previous = _layer_of_param.get(ptr)
-        if previous is not None and previous[0]() is not None and previous[0]() is not runtime:
+        if previous is not None and previous[0]() not in (None, runtime) and _still_held(previous, ptr):
             raise BindingError("these weights are already bound to another live runtime; close it first")
     unbind_runtime(runtime)
     ref = weakref.ref(runtime)
     for ptr, (index, name) in table.items():
         _layer_of_param[ptr] = (ref, index, weakref.ref(layers[index]), name)
     return {ptr: index for ptr, (index, _) in table.items()}
+
+
+def _still_held(entry: tuple, ptr: int) -> bool:
+    """Whether a binding's layer still holds a parameter at `ptr`: otherwise the address was freed or handed to
+    another tensor, and the binding is stale (`resolve` would refuse it anyway)."""
+    _, _, layer_ref, name = entry
+    layer = layer_ref()
+    try:
+        return layer is not None and layer.get_parameter(name).data_ptr() == ptr
+    except AttributeError:
+        return False
 
 
 def unbind_runtime(runtime: Runtime) -> None:

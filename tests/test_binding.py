@@ -11,6 +11,7 @@ import torch
 from helpers import CountingBackend, compile_blocks, raises_paged
 
 from paged_kv_compile import BindingError, RequestError
+from paged_kv_compile.binding import resolve
 from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
@@ -111,3 +112,24 @@ def test_compiled_block_outside_a_forward_is_a_clear_error():
     with pytest.raises(RequestError, match="outside a forward"):
         with torch.no_grad():
             h.model.blocks[0](x, e, cos, sin, h.standin, h.cross[0])
+
+
+def test_a_stale_binding_does_not_block_new_weights_at_its_address():
+    """A live runtime whose bound layer no longer holds a weight (replaced, or the layer is gone and the allocator
+    reused the address) does not own that address: another runtime may bind a layer that holds it now (a
+    vllm-omni runner outlives a pipeline it was handed; tests/upstream/test_vs_vllm_omni_runner.py). A layer that
+    still holds its weight stays exclusive."""
+    old = DreamZeroModel(CFG, seed=0)
+    first = PagedKVRuntime(dreamzero_runtime_config(CFG, block_size=8, kernel="reference"))
+    first.bind(old.blocks)
+    new = DreamZeroModel(CFG, seed=1)
+    with pytest.raises(BindingError, match="already bound to another live runtime"):  # the same tensors: refused
+        PagedKVRuntime(dreamzero_runtime_config(CFG, block_size=8, kernel="reference")).bind(old.blocks)
+    for old_block, new_block in zip(old.blocks, new.blocks):  # the new model now holds the old tensors ...
+        for name, p in list(old_block.named_parameters()):
+            module_name, _, attr = name.rpartition(".")
+            setattr(new_block.get_submodule(module_name), attr, p)
+            setattr(old_block.get_submodule(module_name), attr, torch.nn.Parameter(p.detach().clone()))
+    second = PagedKVRuntime(dreamzero_runtime_config(CFG, block_size=8, kernel="reference"))
+    second.bind(new.blocks)  # ... and the old layers hold none of them: the first binding is stale
+    assert resolve(new.blocks[0].self_attn.qkv.weight) == (second, 0)

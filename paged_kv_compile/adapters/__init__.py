@@ -2,4 +2,7 @@
 
 `vllm_omni_hunyuan`: vllm-omni's HunyuanImage-3 `ImageKVCacheManager` (prefix cache built with `.item()`).
 `tencent_hunyuan`: cache stand-ins for Tencent's HunyuanImage-3.0 `HunyuanStaticCache` (pages as written).
+`vllm_omni_ar_diffusion`: our runtime as the session KV state vllm-omni's DreamZero pipeline drives (no vllm import).
+`vllm_omni_ar_runner`: vllm-omni's `ARDiffusionModelRunner` over that state, chosen by `diffusion_model_runner_cls`
+(imports vllm-omni; docs/vs_vllm_omni.md).
 """

@@ -3,7 +3,8 @@
 vllm-omni 0.30.0 has no CPU platform. Three shims make its layers run here, at tiny sizes, unchanged:
 
 * its platform object becomes a `CpuOmniPlatform` (torch SDPA as the diffusion attention backend, one
-  device, gloo): the instance `import vllm_omni` resolved changes class, so every module that bound it agrees;
+  device, gloo, no peak-memory statistics): the instance `import vllm_omni` resolved changes class, so every
+  module that bound it agrees;
 * `SDPAImpl.forward` calls `_forward_impl(..., mask_mode="broadcast_k")`, which is what its CUDA path
   (`forward_cuda`) does; the base class only dispatches to named GPU platforms;
 * vLLM's `dispatch_unquantized_gemm` returns `default_unquantized_gemm` (plain `F.linear`), as vllm-omni's
@@ -86,6 +87,20 @@ def _make_cpu_platform():
         @classmethod
         def supports_torch_inductor(cls) -> bool:
             return True
+
+        # The diffusion runner samples the device's peak memory around every request (torch.cpu keeps no
+        # such statistics): report none, as a platform without a caching allocator would.
+        @classmethod
+        def reset_peak_memory_stats(cls, device=None) -> None:
+            return None
+
+        @classmethod
+        def max_memory_reserved(cls, device=None) -> int:
+            return 0
+
+        @classmethod
+        def max_memory_allocated(cls, device=None) -> int:
+            return 0
 
     return CpuOmniPlatform
 

@@ -1,0 +1,387 @@
+"""Our runtime behind vllm-omni's AR-Diffusion runner: the KV state its DreamZero pipeline drives.
+
+vllm-omni 0.30.0's `ARDiffusionModelRunner` owns sessions (LRU, reset, warm-up requests, fail-closed release)
+and binds one session's KV state to the pipeline per invocation (`bind_ar_diffusion_state`). The pipeline
+reaches that state only through a few calls (`pipeline_dreamzero.py`: `_kv_get`, `_kv_commit`, `_kv_get_cross`,
+`_kv_populate_cross`, `_kv_reset`), and its model asks the per-layer contexts `_kv_get` returns for exactly
+two things (`causal_wan_model.py: CausalWanModel._forward_blocks`): `forward_ctx.prepare(device, action_len,
+query_len)` once per branch forward, right before the blocks run, and `to_layer_inputs()` per layer.
+
+`DreamZeroPagedKV` (the runner's `kv_cache`) and `PagedKVSessionState` (a session's state) answer those same
+calls with our runtime: `to_layer_inputs()` hands each block a cache stand-in, so the block takes its dense
+branch (`kv_cache[0]`/`kv_cache[1]`, the window idiom) and the `paged_kv` backend rewrites it into
+`paged_kv::write_attend` over our pool; `prepare` opens the runtime's forward for that CFG branch (one batch-1
+row, as the pipeline runs them), a commit closes it through `commit_paged_context`, and a denoising forward is
+closed when the next forward starts or the runner's invocation ends (`end_invocation`, called by
+`vllm_omni_ar_runner.PagedKVARDiffusionModelRunner`). Branch names map to rows through the pipeline's own
+`ARDiffusionKVBranchSpec.local_index`: two rows on one rank, one row per rank under CFG-parallel.
+
+Nothing here imports vllm or vllm-omni (the runner subclass, which must, lives in `vllm_omni_ar_runner`).
+Cross-attention K/V stay per session and branch, as vllm-omni keeps them (`populate_cross_attention`): the
+model reads them from a dict, so they are not paged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..config import PagedKVConfig
+from ..errors import CapacityError, ConfigError, RequestError
+from ..families.dreamzero import DreamZeroSpec, session_blocks_per_row
+from ..pool import KVPool
+from ..runtime import PagedKVRuntime
+
+START_FRAME_SOURCE = "L['current_start_frame']"  # torch.compiler.config.dynamic_sources entry (docs/models.md)
+
+
+def dreamzero_spec(transformer) -> DreamZeroSpec:
+    """The session spec of vllm-omni's `CausalWanModel` as its pipeline drives it (window reset at
+    `local_attn_size`, so a row never holds more than the commits before the reset)."""
+    spec = DreamZeroSpec.from_vllm_omni(transformer)
+    if transformer.local_attn_size != -1:
+        spec = dataclasses.replace(spec, reset_frames=int(transformer.local_attn_size))
+    return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBudget:
+    """What one session costs and how many fit: vllm-omni's budget rule applied to our pool."""
+
+    kv_bytes_per_session: int  # managed self-attention blocks of every local branch, all layers
+    cross_bytes_per_session: int  # cross-attention K/V, every branch (kept per session, as vllm-omni does)
+    model_state_bytes_per_session: int  # what the pipeline declares it keeps per session outside KV
+    fixed_bytes: int  # scratch rows and the pad block
+    budget_bytes: int
+    session_capacity: int
+    blocks_per_layer: int
+
+
+class _BlockPoolView:
+    """`kv_cache.manager.block_pool.get_num_free_blocks()`, which the base runner's warm-up reads."""
+
+    def __init__(self, runtime: PagedKVRuntime) -> None:
+        self._runtime = runtime
+
+    def get_num_free_blocks(self) -> int:
+        return self._runtime.scheduler.allocator.num_free
+
+
+class DreamZeroPagedKV:
+    """The runner's `kv_cache`: our runtime sized for vllm-omni's `ARDiffusionKVCacheSpec` and budget."""
+
+    def __init__(self, runtime: PagedKVRuntime, ar_spec: Any, spec: DreamZeroSpec, budget: KVBudget) -> None:
+        self.runtime = runtime
+        self.ar_spec = ar_spec
+        self.spec = spec
+        self.budget = budget
+        self.kv_branches = tuple(ar_spec.kv_branches)
+        self.rows = max(b.local_index for b in self.kv_branches) + 1
+        self.branch_rows = {b.name: b.local_index for b in self.kv_branches}
+        self.cross_attention_lengths = dict(ar_spec.cross_attention_lengths)
+        self.cross_attention_kv_heads = {
+            name: int(ar_spec.cross_attention_kv_heads.get(name, ar_spec.num_kv_heads))
+            for name in self.cross_attention_lengths
+        }
+        self.session_capacity = budget.session_capacity
+        self.num_blocks = runtime.pool.blocks_per_layer
+        self.manager = type("_Manager", (), {})()
+        self.manager.block_pool = _BlockPoolView(runtime)
+        self._owner_ids = itertools.count()
+        self.standin = runtime.standin(2, 1, spec.window_tokens, ar_spec.num_kv_heads, ar_spec.head_size)
+
+    # ---- construction -----------------------------------------------------------------------------
+    @classmethod
+    def build(cls, transformer, ar_spec, *, available_bytes: int, memory_fraction: float, dtype: torch.dtype,
+              device: str | torch.device = "cpu", block_size: int | None = None, kernel: str = "auto",
+              inner_compiler: str = "inductor") -> "DreamZeroPagedKV":
+        """Size the pool as vllm-omni sizes its own (`ARDiffusionKVCache.__init__`): the budget is
+        `available_bytes * memory_fraction`, raised to one session if that fits the device, and every resident
+        session needs its whole window in every local branch, its cross-attention K/V and the model state the
+        pipeline declares; the session count is capped by the spec's `session_capacity`."""
+        spec = dreamzero_spec(transformer)
+        if ar_spec.tokens_per_frame != spec.frame_seqlen or ar_spec.num_layers != len(transformer.blocks):
+            raise ConfigError(
+                f"the pipeline's ARDiffusionKVCacheSpec ({ar_spec.num_layers} layers, {ar_spec.tokens_per_frame} "
+                f"tokens/frame) does not describe its transformer ({len(transformer.blocks)} blocks, "
+                f"{spec.frame_seqlen} tokens/frame)"
+            )
+        block_size = block_size or spec.frame_seqlen
+        if spec.frame_seqlen % block_size:
+            raise ConfigError(f"block_size={block_size} must divide the frame ({spec.frame_seqlen} tokens)")
+        rows = max(b.local_index for b in ar_spec.kv_branches) + 1
+        base = PagedKVConfig(
+            num_layers=ar_spec.num_layers, num_kv_heads=ar_spec.num_kv_heads, head_dim=ar_spec.head_size,
+            block_size=block_size, blocks_per_layer=1, max_rows=rows, scratch_tokens_per_row=spec.tokens_per_forward,
+            buckets=spec.buckets(rows=1), dtype=dtype, device=str(device), kernel=kernel,
+            inner_compiler=inner_compiler,
+        )
+        budget = plan_budget(ar_spec, spec, base, available_bytes=available_bytes, memory_fraction=memory_fraction)
+        runtime = PagedKVRuntime(dataclasses.replace(base, blocks_per_layer=budget.blocks_per_layer))
+        runtime.bind(transformer.blocks)
+        return cls(runtime, ar_spec, spec, budget)
+
+    # ---- sessions ---------------------------------------------------------------------------------
+    def begin_session(self, session_id: str) -> "PagedKVSessionState":
+        return PagedKVSessionState(self, session_id)
+
+    def row_of(self, kv_branch: str) -> int:
+        try:
+            return self.branch_rows[kv_branch]
+        except KeyError:
+            raise RequestError(
+                f"unknown KV branch {kv_branch!r}; this pipeline declares {tuple(self.branch_rows)}"
+            ) from None
+
+    # The runtime calls of this adapter, in one place.
+    def _admit(self, session_id: str) -> str:
+        owner = f"{session_id}#{next(self._owner_ids)}"  # runtime ids are single-use; vllm-omni reuses names
+        self.runtime.admit(owner, self.spec, rows=self.rows)
+        return owner
+
+    def _forward(self, owner: str, *, commit: bool, row: int):
+        return self.runtime.forward(owner, "commit" if commit else "denoise", branch=row)
+
+    def _drop_history(self, owner: str) -> None:
+        self.runtime.reset(owner)
+
+    def _release(self, owner: str) -> None:
+        self.runtime.release(owner)
+
+
+def plan_budget(ar_spec, spec: DreamZeroSpec, cfg: PagedKVConfig, *, available_bytes: int,
+                memory_fraction: float) -> KVBudget:
+    """How many sessions of this pipeline our pool holds in vllm-omni's budget (see `DreamZeroPagedKV.build`)."""
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {memory_fraction}")
+    rows = cfg.max_rows
+    per_block = KVPool.bytes_per_block_all_layers(cfg)
+    blocks_per_session = rows * session_blocks_per_row(spec, cfg.block_size)
+    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+    cross = sum(
+        2 * len(ar_spec.kv_branches) * length * int(ar_spec.cross_attention_kv_heads.get(name, ar_spec.num_kv_heads))
+        * ar_spec.head_size * itemsize * ar_spec.num_layers
+        for name, length in ar_spec.cross_attention_lengths.items()
+    )
+    model_state = int(ar_spec.model_owned_state_bytes_per_session)
+    fixed = (rows * cfg.scratch_blocks_per_row + 1) * per_block
+
+    def need(sessions: int) -> int:
+        return fixed + sessions * (blocks_per_session * per_block + cross + model_state)
+
+    if need(1) > available_bytes:
+        raise CapacityError(
+            f"available device memory cannot fit one session: available={available_bytes} bytes, required="
+            f"{need(1)} bytes (self-attention blocks + cross-attention + scratch + model-owned state)"
+        )
+    budget = max(int(available_bytes * memory_fraction), need(1))
+    capacity = next(n for n in range(int(ar_spec.session_capacity), 0, -1) if need(n) <= budget)
+    return KVBudget(
+        kv_bytes_per_session=blocks_per_session * per_block, cross_bytes_per_session=cross,
+        model_state_bytes_per_session=model_state, fixed_bytes=fixed, budget_bytes=budget,
+        session_capacity=capacity, blocks_per_layer=capacity * blocks_per_session,
+    )
+
+
+class _LayerContext:
+    """What `_kv_get` returns per layer: the model checks the flag, then asks for `to_layer_inputs()`."""
+
+    is_ar_diffusion_paged_context = True
+
+    def __init__(self, forward_ctx: "_BranchForward") -> None:
+        self.forward_ctx = forward_ctx
+
+    def to_layer_inputs(self) -> torch.Tensor:
+        return self.forward_ctx.state.kv_cache.standin
+
+
+class _BranchForward:
+    """One CFG branch's next forward, as `_kv_get` announced it; `prepare` starts it in the runtime."""
+
+    def __init__(self, state: "PagedKVSessionState", kv_branch: str, seq_len: int, commit_current: bool) -> None:
+        self.state = state
+        self.kv_branch = kv_branch
+        self.seq_len = seq_len
+        self.commit_current = commit_current
+        self.started = False
+
+    def prepare(self, device: torch.device, action_len: int, query_len: int) -> None:
+        self.state._start(self, int(action_len), int(query_len))
+
+
+class PagedKVSessionState:
+    """One runner session in our runtime: duck-types `ARDiffusionKVState` (vllm-omni's
+    `experimental/ar_diffusion/kv_cache/state.py`) for the calls DreamZero's pipeline makes."""
+
+    def __init__(self, kv_cache: DreamZeroPagedKV, session_id: str) -> None:
+        self.kv_cache = kv_cache
+        self.session_id = session_id
+        self.num_layers = kv_cache.ar_spec.num_layers
+        self._owner: str | None = kv_cache._admit(session_id)
+        self._cross: dict[str, dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
+        self._pending: dict[str, _BranchForward] = {}
+        self._running: tuple[_BranchForward, Any] | None = None  # (forward, the runtime's context manager)
+
+    @property
+    def kv_branch_names(self) -> tuple[str, ...]:
+        return tuple(self.kv_cache.branch_rows)
+
+    def _live_owner(self) -> str:
+        if self._owner is None:
+            raise RuntimeError(f"AR-Diffusion session {self.session_id!r} is closed")
+        return self._owner
+
+    # ---- self-attention ---------------------------------------------------------------------------
+    def get_kv_caches(self, kv_branch: str, seq_len: int | None = None,
+                      commit_current: bool = False) -> list[_LayerContext]:
+        self._live_owner()
+        self.kv_cache.row_of(kv_branch)
+        if seq_len is None:
+            raise ValueError("AR-Diffusion paged self-attention requires seq_len in get_kv_caches()")
+        if int(seq_len) % self.kv_cache.spec.frame_seqlen:
+            raise AssertionError(
+                f"AR-Diffusion expects frame-aligned seq_len (multiple of {self.kv_cache.spec.frame_seqlen}), "
+                f"got {seq_len}"
+            )
+        pending = self._pending.get(kv_branch)
+        if pending is not None and pending.commit_current and pending.started:
+            raise RuntimeError("AR-Diffusion paged context replaced before its managed current chunk was committed")
+        forward = _BranchForward(self, kv_branch, int(seq_len), bool(commit_current))
+        self._pending[kv_branch] = forward
+        return [_LayerContext(forward)] * self.num_layers
+
+    def prepare_paged_context(self, kv_branch: str, seq_len: int, commit_current: bool) -> list[_LayerContext]:
+        return self.get_kv_caches(kv_branch, seq_len, commit_current)
+
+    def _start(self, forward: _BranchForward, action_len: int, query_len: int) -> None:
+        """The model is about to run `forward`'s blocks: close the forward before it, open this one."""
+        if forward.started:
+            return
+        if self._pending.get(forward.kv_branch) is not forward:
+            raise RuntimeError("AR-Diffusion paged context prepared after it was replaced by a newer _kv_get")
+        if self._running is not None and self._running[0].commit_current:
+            stale = self._running[0]
+            self._stop(RuntimeError("commit not confirmed"))
+            raise RuntimeError(
+                f"the {stale.kv_branch!r} commit forward was not committed (commit_paged_context) before the next "
+                "forward started: it was rolled back"
+            )
+        self._stop(None)
+        if query_len != forward.seq_len + action_len:
+            raise ValueError(
+                f"the model runs {query_len} query tokens but announced {forward.seq_len} video tokens and "
+                f"{action_len} register tokens"
+            )
+        cm = self.kv_cache._forward(self._live_owner(), commit=forward.commit_current,
+                                    row=self.kv_cache.row_of(forward.kv_branch))
+        active = cm.__enter__()
+        self._running = (forward, cm)
+        forward.started = True
+        if active.plan.tokens != query_len:
+            self._stop(RequestError("token count"))
+            raise RequestError(
+                f"the runtime planned {active.plan.tokens} tokens for this {active.plan.kind} forward of branch "
+                f"{forward.kv_branch!r} but the model runs {query_len}: the session's window and the pipeline "
+                "disagree (a commit outside the window, or a missed reset)"
+            )
+
+    def _stop(self, error: BaseException | None) -> None:
+        """Finish (error None) or roll back the forward in flight, if any."""
+        if self._running is None:
+            return
+        forward, cm = self._running
+        self._running = None
+        if error is None:
+            cm.__exit__(None, None, None)
+            return
+        if self._pending.get(forward.kv_branch) is forward:
+            del self._pending[forward.kv_branch]  # rolled back: nothing of it is left to commit
+        cm.__exit__(type(error), error, error.__traceback__)
+
+    def commit_paged_context(self, kv_branch: str) -> None:
+        """After a successful commit forward of `kv_branch`: its K/V becomes the branch's history."""
+        self._live_owner()
+        forward = self._pending.pop(kv_branch, None)
+        if forward is None or not forward.started:
+            return  # announced but never run here (another rank's CFG branch), as vllm-omni's state does
+        if self._running is not None and self._running[0] is forward:
+            self._stop(None)
+
+    def end_invocation(self, error: BaseException | None = None) -> None:
+        """The runner invocation ended: finish (or, on `error`, roll back) the forward still open. A commit the
+        pipeline never confirmed (`commit_paged_context`) is rolled back and raised: its K/V must not become
+        history unconfirmed, and the runner then releases the session (fail closed)."""
+        unconfirmed = self._running is not None and error is None and self._running[0].commit_current
+        if unconfirmed:
+            branch = self._running[0].kv_branch
+            error = RuntimeError(f"the invocation ended before the {branch!r} commit was confirmed "
+                                 "(commit_paged_context): it was rolled back")
+        self._stop(error)
+        self._pending.clear()
+        if unconfirmed:
+            raise error
+
+    # ---- cross-attention (kept per session and branch, like vllm-omni's pools) ----------------------
+    def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
+        self.kv_cache.row_of(kv_branch)
+        self._check_cache_name(cache_name)
+        return kv_branch in self._cross.get(cache_name, {})
+
+    def populate_cross_attention(self, kv_branch: str, cache_name: str,
+                                 layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy one branch's per-layer `(1, length, heads, D)` K/V; published only once every layer is copied."""
+        self._live_owner()
+        self.kv_cache.row_of(kv_branch)
+        self._check_cache_name(cache_name)
+        shape = (1, self.kv_cache.cross_attention_lengths[cache_name],
+                 self.kv_cache.cross_attention_kv_heads[cache_name], self.kv_cache.ar_spec.head_size)
+        keys, values = [], []
+        for layer, (k, v) in enumerate(layer_kv):
+            if tuple(k.shape) != shape or tuple(v.shape) != shape:
+                raise ValueError(f"cross-attention {cache_name!r} layer {layer}: expected k/v {shape}, got "
+                                 f"{tuple(k.shape)} and {tuple(v.shape)}")
+            keys.append(k[0].to(self.kv_cache.runtime.config.dtype).clone())
+            values.append(v[0].to(self.kv_cache.runtime.config.dtype).clone())
+        if len(keys) != self.num_layers:
+            raise ValueError(f"cross-attention {cache_name!r} expected {self.num_layers} layers, got {len(keys)}")
+        self._cross.setdefault(cache_name, {})[kv_branch] = (keys, values)
+
+    def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor | bool]]:
+        if not self.is_cross_attention_populated(kv_branch, cache_name):
+            raise RuntimeError(f"cross-attention cache {cache_name!r} of KV branch {kv_branch!r} was read before "
+                               "it was populated")
+        keys, values = self._cross[cache_name][kv_branch]
+        return [{"is_init": True, "k": k.unsqueeze(0), "v": v.unsqueeze(0)} for k, v in zip(keys, values)]
+
+    def clear_cross_attention(self) -> None:
+        self._live_owner()
+        self._cross.clear()
+
+    def _check_cache_name(self, cache_name: str) -> None:
+        if cache_name not in self.kv_cache.cross_attention_lengths:
+            raise KeyError(f"unknown cross-attention cache {cache_name!r}; expected "
+                           f"{tuple(self.kv_cache.cross_attention_lengths)}")
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def reset(self, *, keep_cross_attention: Sequence[str] = ()) -> None:
+        """Drop the session's history (rows stay admitted); keep the named cross-attention caches."""
+        unknown = set(keep_cross_attention) - set(self.kv_cache.cross_attention_lengths)
+        if unknown:
+            raise KeyError(f"unknown cross-attention caches to keep: {sorted(unknown)}")
+        self.end_invocation(RuntimeError("reset") if self._running is not None else None)
+        self.kv_cache._drop_history(self._live_owner())
+        self._cross = {name: caches for name, caches in self._cross.items() if name in keep_cross_attention}
+
+    def close(self) -> None:
+        """Release the session's blocks and cross-attention K/V (idempotent; a forward in flight is rolled back)."""
+        if self._owner is None:
+            return
+        self._stop(RuntimeError("session closed") if self._running is not None else None)
+        self._pending.clear()
+        owner, self._owner = self._owner, None
+        self._cross.clear()
+        self.kv_cache._release(owner)
+

@@ -1,0 +1,104 @@
+"""vllm-omni's AR-Diffusion runner with our pool and our compiled paged attention, chosen by configuration.
+
+    od_config = OmniDiffusionConfig(
+        engine_backend="vllm_omni.experimental.ar_diffusion.engine.ARDiffusionEngine",   # unchanged
+        diffusion_model_runner_cls="paged_kv_compile.adapters.vllm_omni_ar_runner.PagedKVARDiffusionModelRunner",
+        model_config={..., "paged_kv": {"kernel": "auto", "inner_compiler": "inductor", "block_size": None}},
+    )
+
+Why this seam: vllm-omni's worker already resolves `od_config.diffusion_model_runner_cls` before the runner the
+engine declares (`diffusion/worker/diffusion_worker.py`, "explicit od_config.diffusion_model_runner_cls (user
+override)"), so a deployment selects this runner with one config line and vllm-omni stays unchanged. The
+`ar_diffusion_kv_config` dict is parsed into `ARDiffusionKVConfig(**raw)`, which rejects unknown keys, and a
+vLLM plugin entry point runs in every process for every model; neither is needed.
+
+Everything the base runner does stays: sessions that persist across requests, `extra_args["reset"]`, LRU
+eviction at `_session_capacity`, `close_session`, the fail-closed release of a session whose forward raised, the
+pipeline's warm-up requests (`_warmup_ar_rollout`). What changes: `_preallocate_kv_cache` sizes our runtime
+with vllm-omni's budget rule instead of building `ARDiffusionKVCache`, binds it to the transformer's blocks and
+compiles them with `backend="paged_kv"` at the settings of DreamZero's `setup_compile` (`fullgraph=True,
+dynamic=False`, replacing its Inductor compile of the same blocks); `_new_session_state` hands the pipeline our
+session state; `_bound_ar_session` closes the last forward of an invocation; `execute_model` marks
+`current_start_frame` a value for dynamo (one compiled frame per bucket at every start frame).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from ..backend import paged_kv_backend
+from .vllm_omni_ar_diffusion import START_FRAME_SOURCE, DreamZeroPagedKV, PagedKVSessionState
+
+from vllm_omni.diffusion.models.interface import supports_step_execution  # noqa: E402  (vllm-omni users only)
+from vllm_omni.experimental.ar_diffusion.runner import ARDiffusionModelRunner  # noqa: E402
+
+RUNNER_PATH = "paged_kv_compile.adapters.vllm_omni_ar_runner.PagedKVARDiffusionModelRunner"
+
+
+def _options(od_config) -> dict:
+    raw = (getattr(od_config, "model_config", None) or {}).get("paged_kv") or {}
+    unknown = set(raw) - {"kernel", "inner_compiler", "block_size"}
+    if unknown:
+        raise ValueError(f"model_config['paged_kv'] has unknown keys {sorted(unknown)}; "
+                         "known: kernel, inner_compiler, block_size")
+    return raw
+
+
+def _dynamic_sources(existing: str) -> str:
+    parts = [s for s in (existing or "").split(",") if s]
+    return ",".join(parts if START_FRAME_SOURCE in parts else [*parts, START_FRAME_SOURCE])
+
+
+class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
+    """`ARDiffusionModelRunner` whose sessions live in a `PagedKVRuntime` (see the module docstring)."""
+
+    kv_cache: DreamZeroPagedKV | None
+
+    def _preallocate_kv_cache(self, *, available_bytes: int | None = None) -> None:
+        # The base runner's admission rules, unchanged (runner.py: `_preallocate_kv_cache`).
+        if bool(getattr(self.od_config, "step_execution", False)) and not supports_step_execution(self.pipeline):
+            raise ValueError("ARDiffusionModelRunner currently supports request-mode execution only; "
+                             "step_execution=True would bypass per-request AR session binding.")
+        if int(getattr(self.od_config, "max_num_seqs", 1) or 1) > 1:
+            raise ValueError("AR-Diffusion paged KV supports max_num_seqs=1 (single-sequence rollouts)")
+        capability = self._require_capability(self.pipeline)
+        if bool(getattr(self.pipeline, "supports_request_batch", False)):
+            raise ValueError("ARDiffusionModelRunner currently supports one request at a time")
+        spec = capability.ar_diffusion_kv_cache_spec()
+        options = _options(self.od_config)
+        inner = options.get("inner_compiler") or ("eager" if self.od_config.enforce_eager else "inductor")
+        transformer = self.pipeline.transformer
+        self.kv_cache = DreamZeroPagedKV.build(
+            transformer, spec,
+            available_bytes=self._available_memory_bytes() if available_bytes is None else available_bytes,
+            memory_fraction=self.ar_diffusion_kv_config.gpu_memory_fraction, dtype=self.od_config.dtype,
+            device=self.device, block_size=options.get("block_size"), kernel=options.get("kernel", "auto"),
+            inner_compiler=inner,
+        )
+        self._ar_diffusion_capability = capability
+        self._ar_diffusion_kv_cache_spec = spec
+        self._session_capacity = self.kv_cache.session_capacity
+        for block in transformer.blocks:
+            # A stand-in holds no data: the blocks must run the rewritten graph, never eagerly (even under
+            # enforce_eager, where the rewritten graph runs without Inductor).
+            block.forward = torch.compile(type(block).forward.__get__(block), backend=paged_kv_backend,
+                                          fullgraph=True, dynamic=False)
+
+    def _new_session_state(self, session_id: str) -> PagedKVSessionState:
+        if self.kv_cache is None:
+            raise RuntimeError("AR-Diffusion session requested before KV cache initialization")
+        return self.kv_cache.begin_session(session_id)
+
+    @contextlib.contextmanager
+    def _bound_ar_session(self, session_id: str, *, description: str, synchronize: bool = True) -> Iterator[None]:
+        with super()._bound_ar_session(session_id, description=description, synchronize=synchronize):
+            yield
+            self._sessions[session_id].end_invocation()
+
+    def execute_model(self, req, kv_prefetch_job=None):
+        sources = _dynamic_sources(torch.compiler.config.dynamic_sources)
+        with torch.compiler.config.patch(dynamic_sources=sources):
+            return super().execute_model(req, kv_prefetch_job=kv_prefetch_job)
