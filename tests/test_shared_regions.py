@@ -129,6 +129,25 @@ def test_shared_region_two_tenants_with_the_same_prompt_share_nothing(allocator)
 
 
 @pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_shared_region_unsalted_sessions_share_nothing_with_the_empty_salt(allocator):
+    """Issue 23, defect 7: no salt (None) and the salt "" hashed alike, so an unsalted session shared its regions
+    with a tenant whose salt is "" (or b""). None is now a namespace of its own; "" and b"" are one salt (a str
+    salt is its UTF-8 bytes), and unsalted sessions still share with each other."""
+    rt = make_runtime(allocator)
+    for sid, salt in (("anon", None), ("empty", ""), ("empty-bytes", b""), ("anon-2", None)):
+        rt.open_session(sid, SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt=salt)
+    assert region_blocks(rt, "anon") == region_blocks(rt, "anon-2")
+    assert region_blocks(rt, "empty") == region_blocks(rt, "empty-bytes")
+    anon = {b for r in region_blocks(rt, "anon") for b in r}
+    assert not anon & {b for r in region_blocks(rt, "empty") for b in r}
+    row = expected(PROMPT)
+    assert region_digest(None, row) != region_digest("", row) == region_digest(b"", row)
+    assert region_digest(None, row, b"k") != region_digest("", row, b"k")
+    assert len({region_digest(salt, row) for salt in (None, "", "none", b"none", "salt:", "\x00")}) == 5  # "none" = b"none"
+    assert_refcounts_exact(rt)
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_shared_region_forged_key_gets_its_own_blocks_and_reads_its_own_values(allocator):
     rt = make_runtime(allocator)
     rt.admit("victim", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
