@@ -75,6 +75,7 @@ class Scheduler:
             )
         self.pool = pool
         self.allocator = allocator
+        pool.blocks_held = lambda: allocator.num_blocks - allocator.num_free  # FP8 set_scales refuses while > 0
         self.max_rows = max_rows
         self.max_sessions = max_sessions  # LRU cap on live owners of families with `evict_lru`
         self.owners: OrderedDict[str, Owner] = OrderedDict()  # LRU order: last used at the end
