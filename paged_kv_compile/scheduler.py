@@ -9,6 +9,7 @@ leaves the state exactly as it was; a forward that fails is rolled back by `abor
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -85,6 +86,7 @@ class Scheduler:
         self.sharing: set[str] = set()
         #: shared write-once regions (cross-attention K/V) and who holds them (`regions.py`)
         self.regions = SharedRegions()
+        self._serials = itertools.count()  # Owner.serial: one per admission or fork, never reused
 
     # ---- the BlockSource the families use -----------------------------------------------------
     @property
@@ -150,7 +152,8 @@ class Scheduler:
             raise RequestError(f"id {owner_id!r} is already live; finish or close it first, or use a new id")
         if owner_id in self.finished:
             raise RequestError(
-                f"id {owner_id!r} was already used and is {self.finished[owner_id]}; ids are single-use: pick a new one"
+                f"id {owner_id!r} was already used and is {self.finished[owner_id]}; pick a new id (the last "
+                f"{self.FINISHED_MEMORY} finished ids are refused, to catch a resubmitted request)"
             )
 
     def _check_rows(self, rows: int) -> None:
@@ -230,7 +233,8 @@ class Scheduler:
         if requests is None:
             if victim is not None:
                 self._release(victim, "evicted (LRU cap on live sessions)")
-            self.owners[owner_id] = Owner(owner_id, fam.name, spec, self.allocate_rows(counts))
+            self.owners[owner_id] = Owner(owner_id, fam.name, spec, self.allocate_rows(counts),
+                                          serial=next(self._serials))
             return
         # Regions take blocks at admission: check they fit (with what an eviction would free) before evicting.
         ending = self.regions.ending_with(victim.owner_id) if victim is not None else set()
@@ -255,7 +259,7 @@ class Scheduler:
                 self.free(ids)
             self.regions.held.pop(owner_id, None)
             raise
-        self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken[: len(counts)])
+        self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken[: len(counts)], serial=next(self._serials))
 
     def _freed_by(self, owner: Owner) -> int:
         """How many blocks releasing `owner` would free: those it alone holds (rows and regions)."""
@@ -296,7 +300,7 @@ class Scheduler:
         self.regions.fork(parent_id, child_id, self.allocator)
         self.sharing.update((parent_id, child_id))
         self.owners[child_id] = Owner(child_id, parent.family, parent.spec, [list(r) for r in parent.rows],
-                                      phases_done=set(parent.phases_done), state=state)
+                                      phases_done=set(parent.phases_done), state=state, serial=next(self._serials))
 
     def release(self, owner_id: str) -> None:
         """End a session/request normally; all its blocks are freed."""

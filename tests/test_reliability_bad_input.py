@@ -180,7 +180,7 @@ CASES = [
         "wide", DreamZeroSpec(frame_seqlen=4, chunk_frames=4, window_frames=5, action_tokens=8)), ConfigError,
      r"a forward needs 6 scratch blocks per row but the pool has 5; raise scratch_tokens_per_row", None),
     ("session: reusing an aborted id", lambda w: w.rt.admit("gone", DZ), RequestError,
-     r"id 'gone' was already used and is aborted; ids are single-use: pick a new one", None),
+     r"id 'gone' was already used and is aborted; pick a new id \(the last 4096 finished ids are refused", None),
     ("session: forward of an aborted session", lambda w: w.rt.forward("gone", "denoise"), RequestError,
      r"id 'gone' is aborted; admit a new one to continue", None),
     ("session: a DreamZero kind on a request id", lambda w: w.rt.forward("req", "commit"), RequestError,

@@ -56,6 +56,10 @@ class Owner:
     phases_done: set[str] = field(default_factory=set)  # forward kinds that finished (e.g. "prefill")
     state: dict[str, Any] = field(default_factory=dict)  # the family's own per-owner records (e.g. a layout)
     layout_cache: tuple | None = None  # (key, value) of the last repeatable plan's layouts (`reuse_layouts`)
+    #: unique for the runtime's life (an admission counter, never reused, unlike ids): cache keys name the owner
+    #: by it, so a key can never match another owner's build (issue 23: an id reused after the finished-id memory
+    #: was served its predecessor's metadata)
+    serial: int = -1
 
     @property
     def num_rows(self) -> int:

@@ -252,7 +252,7 @@ class DreamZeroFamily(Family):
             for ids in taken:
                 blocks.free(ids)
             raise
-        key = (owner.owner_id, kind, owner.version, branch) if not commit else ()
+        key = (owner.serial, kind, owner.version, branch) if not commit else ()
         return ForwardPlan(owner.owner_id, kind, layouts, n + a, spec.window_tokens, new_blocks, key, keeps_kv=commit,
                            phase={"chunk_tokens": n, "action_tokens": a}, owner_rows=run)
 

@@ -214,7 +214,7 @@ class HunyuanImage3Family(Family):
             _check_step_mask(mask_rows(attention_mask, rows), layouts, key_positions)
             state["step_mask_checked"] = True
         tokens = len(mask_layouts[0].positions) if kind == "prefill" else T
-        key = (owner.owner_id, kind, owner.version, prefix_capacity)
+        key = (owner.serial, kind, owner.version, prefix_capacity)
         return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, [], key,
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
