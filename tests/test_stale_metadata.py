@@ -64,3 +64,54 @@ def test_a_reused_id_is_never_served_its_predecessors_build(monkeypatch):
     with rt.forward("a", "denoise") as active:
         assert not any(bool(row.managed.any()) for row in active.plan.rows), "the new session has no history"
         assert_reads_its_own_layout(rt, active)
+
+
+def test_a_retried_prefill_with_another_mask_is_built_for_that_mask():
+    """Issue 23, defect 3: a HunyuanImage-3 prefill that failed after its metadata was built, retried with another
+    valid mask for the same spec (the padding moved), reused the build: the prefill key (owner, kind, version,
+    capacity) has no mask in it and the aborted forward left it as the bucket's last key. The op wrote with the
+    first mask's positions while `finish` stored the second mask's layout."""
+    rt = runtime()
+    spec = HunyuanSpec((3, 5), 4, ((1, 3),))
+    capacity = 6
+    middle = spec.padded_mask(capacity)  # [prompt | pad | target]
+    S = capacity + spec.target_len
+    left = torch.zeros_like(middle)  # [pad | prompt | target]: the same spec, other dense columns
+    for r, p in enumerate(spec.prefix_lens):
+        order = torch.cat([torch.arange(p, capacity), torch.arange(p), torch.arange(capacity, S)])
+        left[r, 0] = middle[r, 0][order][:, order]
+    rt.admit_request("r", spec)
+    with pytest.raises(RuntimeError, match="injected"):
+        with rt.hunyuan_forward("r", phase="prefill", prefix_capacity=capacity, attention_mask=middle):
+            raise RuntimeError("injected: a layer failed after the metadata was built")
+    with rt.hunyuan_forward("r", phase="prefill", prefix_capacity=capacity, attention_mask=left) as active:
+        assert active.plan.rows[0].positions.tolist() != middle_positions(spec, capacity)
+        assert_reads_its_own_layout(rt, active)
+
+
+def middle_positions(spec: HunyuanSpec, capacity: int) -> list[int]:
+    p = spec.prefix_lens[0]
+    return list(range(p)) + [-1] * (capacity - p) + list(range(p, p + spec.target_len))
+
+
+def test_an_aborted_forward_leaves_no_build_to_repeat():
+    """The runtime half of defect 3's fix: whatever the key, a build whose forward was rolled back is forgotten."""
+    rt = runtime()
+    rt.open_session("s", SPEC, rows=2)
+    with pytest.raises(RuntimeError):
+        with rt.dreamzero_forward("s", commit=False) as active:
+            assert active.meta.last_key
+            raise RuntimeError("injected")
+    assert active.meta.last_key == ()
+
+
+def test_a_prefill_has_no_repeat_key():
+    """The family half of defect 3's fix: a prefill's layout comes from its mask, which its key cannot name."""
+    rt = runtime()
+    spec = HunyuanSpec((3,), 4)
+    rt.admit_request("r", spec)
+    plan = rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=4, attention_mask=spec.padded_mask(4))
+    assert plan.key == ()
+    rt.scheduler.finish_forward(plan)
+    step = rt.scheduler.plan_hunyuan("r", phase="step", prefix_capacity=4)
+    assert step.key and step.key[0] == rt.owner("r").serial

@@ -214,7 +214,8 @@ class HunyuanImage3Family(Family):
             _check_step_mask(mask_rows(attention_mask, rows), layouts, key_positions)
             state["step_mask_checked"] = True
         tokens = len(mask_layouts[0].positions) if kind == "prefill" else T
-        key = (owner.serial, kind, owner.version, prefix_capacity)
+        # A prefill's layout comes from its mask, which no cheap key names: it is always built (once per request).
+        key = (owner.serial, kind, owner.version, prefix_capacity) if kind == "step" else ()
         return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, [], key,
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
