@@ -223,3 +223,33 @@ def test_a_step_mask_that_disagrees_with_the_prefill_is_refused_once_per_request
 def test_check_mask_catches_a_step_mask_the_runtime_was_not_given():
     with pytest.raises(RequestError, match="check_mask: row 1's dense mask disagrees"):
         dense_and_paged("right", True, runtime_step_mask=False, model_step_mask=_hide_first_prompt_token)
+
+
+def test_a_step_mask_is_checked_again_after_a_re_prefill():
+    """Issue 23, suspected (b), confirmed: the step mask is checked once per request (`step_mask_checked`), and
+    the flag survived a re-prefill with another mask. A step mask written for the first prefill's layout (padding
+    in the middle) then passed unchecked after a re-prefill that moved the padding to the left, and the steps
+    attended with a layout the model's mask disagrees with. A prefill now clears the flag."""
+    spec = HunyuanSpec((3, 5), 4, ((1, 3),))
+    capacity = 6
+    middle = spec.padded_mask(capacity)  # [prompt | pad | target]
+    S = capacity + spec.target_len
+    left = torch.zeros_like(middle)  # [pad | prompt | target]: the same spec, other dense columns
+    for r, p in enumerate(spec.prefix_lens):
+        order = torch.cat([torch.arange(p, capacity), torch.arange(p), torch.arange(capacity, S)])
+        left[r, 0] = middle[r, 0][order][:, order]
+    rt = PagedKVRuntime(hunyuan_runtime_config(CFG, max_prefix=capacity, block_size=4))
+    sched = rt.scheduler
+    rt.admit_request("r", spec)
+
+    def run(phase, mask):
+        sched.finish_forward(sched.plan_hunyuan("r", phase=phase, prefix_capacity=capacity, attention_mask=mask))
+
+    run("prefill", middle)
+    run("step", middle[:, :, capacity:])  # checked against the middle layout: agrees
+    run("prefill", left)
+    before = rt.state()
+    with pytest.raises(RequestError, match="row 0: the step's mask disagrees with the layout read at the prefill"):
+        run("step", middle[:, :, capacity:])
+    assert rt.state() == before
+    run("step", left[:, :, capacity:])

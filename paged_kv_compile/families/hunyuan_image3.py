@@ -209,7 +209,8 @@ class HunyuanImage3Family(Family):
 
         layouts, key_positions = make() if kind == "prefill" else reuse_layouts(
             owner, (kind, owner.version, prefix_capacity, blocks.first_scratch_row), make)
-        state = {"layouts": mask_layouts} if kind == "prefill" else {}
+        # a prefill (again: a retry, another mask) makes the next step's mask checked against its layout
+        state = {"layouts": mask_layouts, "step_mask_checked": False} if kind == "prefill" else {}
         if kind == "step" and attention_mask is not None and not owner.state.get("step_mask_checked"):
             _check_step_mask(mask_rows(attention_mask, rows), layouts, key_positions)
             state["step_mask_checked"] = True
