@@ -253,3 +253,34 @@ def test_a_step_mask_is_checked_again_after_a_re_prefill():
         run("step", middle[:, :, capacity:])
     assert rt.state() == before
     run("step", left[:, :, capacity:])
+
+
+def test_a_target_token_that_reads_as_padding_is_refused():
+    """Issue 23, suspected (c), confirmed: a token that sees only itself and that no other token sees reads as
+    padding (`layout_from_prefill_mask`), and padding gets no output. Inside the target span such a token was
+    accepted: with a causal tail token after the target, the kept count and every visible end still matched
+    the spec, the prefill gave the token zeros where dense attention gives its value (2.24 off), and the steps
+    would have fed it at another token's position. The mask alone cannot tell padding from such a token; the
+    spec says the target is T consecutive tokens, so a padding-looking token inside it is refused."""
+    from paged_kv_compile.layout import layout_from_prefill_mask
+
+    p, T = 3, 4
+    S = p + T + 1  # [prompt | t0 x t2 t3 | tail]
+    x = p + 1
+    mask = torch.ones(S, S, dtype=torch.bool).tril()
+    mask[x, :] = mask[:, x] = False
+    mask[x, x] = True
+    assert layout_from_prefill_mask(mask).positions[x] == -1  # read as padding: the reader's rule stands
+    rt = PagedKVRuntime(hunyuan_runtime_config(CFG, max_prefix=8, block_size=4))
+    rt.admit_request("r", HunyuanSpec((p,), T))
+    before = rt.state()
+    with pytest.raises(RequestError, match=r"row 0: dense token 4 lies inside the target span \(dense tokens 3..7\) "
+                                           r"but reads as padding"):
+        rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=p, attention_mask=mask[None, None])
+    assert rt.state() == before
+    # the same token as padding between the prompt and the target (the reference model's layout) pages as before
+    middle = torch.ones(S, S, dtype=torch.bool).tril()
+    middle[p, :] = middle[:, p] = False
+    middle[p, p] = True
+    rt.scheduler.finish_forward(rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=p + 1,
+                                                          attention_mask=middle[None, None]))
