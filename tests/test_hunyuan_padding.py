@@ -240,10 +240,10 @@ def test_a_step_mask_is_checked_again_after_a_re_prefill():
         left[r, 0] = middle[r, 0][order][:, order]
     rt = PagedKVRuntime(hunyuan_runtime_config(CFG, max_prefix=capacity, block_size=4))
     sched = rt.scheduler
-    rt.admit_request("r", spec)
+    rt.admit("r", spec)
 
     def run(phase, mask):
-        sched.finish_forward(sched.plan_hunyuan("r", phase=phase, prefix_capacity=capacity, attention_mask=mask))
+        sched.finish_forward(sched.plan("r", phase, prefix_capacity=capacity, attention_mask=mask))
 
     run("prefill", middle)
     run("step", middle[:, :, capacity:])  # checked against the middle layout: agrees
@@ -272,15 +272,15 @@ def test_a_target_token_that_reads_as_padding_is_refused():
     mask[x, x] = True
     assert layout_from_prefill_mask(mask).positions[x] == -1  # read as padding: the reader's rule stands
     rt = PagedKVRuntime(hunyuan_runtime_config(CFG, max_prefix=8, block_size=4))
-    rt.admit_request("r", HunyuanSpec((p,), T))
+    rt.admit("r", HunyuanSpec((p,), T))
     before = rt.state()
     with pytest.raises(RequestError, match=r"row 0: dense token 4 lies inside the target span \(dense tokens 3..7\) "
                                            r"but reads as padding"):
-        rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=p, attention_mask=mask[None, None])
+        rt.scheduler.plan("r", "prefill", prefix_capacity=p, attention_mask=mask[None, None])
     assert rt.state() == before
     # the same token as padding between the prompt and the target (the reference model's layout) pages as before
     middle = torch.ones(S, S, dtype=torch.bool).tril()
     middle[p, :] = middle[:, p] = False
     middle[p, p] = True
-    rt.scheduler.finish_forward(rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=p + 1,
+    rt.scheduler.finish_forward(rt.scheduler.plan("r", "prefill", prefix_capacity=p + 1,
                                                           attention_mask=middle[None, None]))

@@ -332,10 +332,10 @@ def _prefill_vs_dense(mask: torch.Tensor, prefix: int, target: int) -> tuple[obj
     spec = HunyuanSpec.from_prefill_mask(mask, [prefix], target)
     rt = PagedKVRuntime(PagedKVConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=4, blocks_per_layer=8,
                                       max_rows=1, scratch_tokens_per_row=target + 4))
-    rt.admit_request("r", spec)
+    rt.admit("r", spec)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, S, H, D, generator=gen) for _ in range(3))
-    with rt.hunyuan_forward("r", phase="prefill", prefix_capacity=prefix, attention_mask=mask) as active:
+    with rt.forward("r", "prefill", prefix_capacity=prefix, attention_mask=mask) as active:
         views = active.meta.layers[0]
         got = torch.ops.paged_kv.write_attend(q, k, v, rt.pool.tensor, views.slot_mapping, views.block_table,
                                               active.meta.seq_lens, active.meta.kv_visible_end, D ** -0.5, "reference")

@@ -80,11 +80,11 @@ def test_a_retried_prefill_with_another_mask_is_built_for_that_mask():
     for r, p in enumerate(spec.prefix_lens):
         order = torch.cat([torch.arange(p, capacity), torch.arange(p), torch.arange(capacity, S)])
         left[r, 0] = middle[r, 0][order][:, order]
-    rt.admit_request("r", spec)
+    rt.admit("r", spec)
     with pytest.raises(RuntimeError, match="injected"):
-        with rt.hunyuan_forward("r", phase="prefill", prefix_capacity=capacity, attention_mask=middle):
+        with rt.forward("r", "prefill", prefix_capacity=capacity, attention_mask=middle):
             raise RuntimeError("injected: a layer failed after the metadata was built")
-    with rt.hunyuan_forward("r", phase="prefill", prefix_capacity=capacity, attention_mask=left) as active:
+    with rt.forward("r", "prefill", prefix_capacity=capacity, attention_mask=left) as active:
         assert active.plan.rows[0].positions.tolist() != middle_positions(spec, capacity)
         assert_reads_its_own_layout(rt, active)
 
@@ -97,9 +97,9 @@ def middle_positions(spec: HunyuanSpec, capacity: int) -> list[int]:
 def test_an_aborted_forward_leaves_no_build_to_repeat():
     """The runtime half of defect 3's fix: whatever the key, a build whose forward was rolled back is forgotten."""
     rt = runtime()
-    rt.open_session("s", SPEC, rows=2)
+    rt.admit("s", SPEC, rows=2)
     with pytest.raises(RuntimeError):
-        with rt.dreamzero_forward("s", commit=False) as active:
+        with rt.forward("s", "denoise") as active:
             assert active.meta.last_key
             raise RuntimeError("injected")
     assert active.meta.last_key == ()
@@ -109,9 +109,9 @@ def test_a_prefill_has_no_repeat_key():
     """The family half of defect 3's fix: a prefill's layout comes from its mask, which its key cannot name."""
     rt = runtime()
     spec = HunyuanSpec((3,), 4)
-    rt.admit_request("r", spec)
-    plan = rt.scheduler.plan_hunyuan("r", phase="prefill", prefix_capacity=4, attention_mask=spec.padded_mask(4))
+    rt.admit("r", spec)
+    plan = rt.scheduler.plan("r", "prefill", prefix_capacity=4, attention_mask=spec.padded_mask(4))
     assert plan.key == ()
     rt.scheduler.finish_forward(plan)
-    step = rt.scheduler.plan_hunyuan("r", phase="step", prefix_capacity=4)
+    step = rt.scheduler.plan("r", "step", prefix_capacity=4)
     assert step.key and step.key[0] == rt.owner("r").serial

@@ -133,7 +133,7 @@ def test_static_cache_sites_warm_up_then_serve(case):
         paged = _run(layers, cache, req, around, one_d=one_d)
         assert backend.frames == frames == 2, "serving compiles nothing new"
     assert max((a - b).abs().max().item() for a, b in zip(dense, paged)) <= 1e-5
-    rt.finish_request("r")
+    rt.release("r")
 
 
 @pytest.mark.parametrize("wrong", ["shifted", "one-row-off"])
