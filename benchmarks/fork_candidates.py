@@ -6,8 +6,9 @@ the rows of ONE forward (`runtime.forward_batch`) or one child at a time, altern
 compiled model (regional compile, paged_kv backend, aot_eager inside, reference kernel). Ratio =
 sequential / batched per repeat (> 1: the batch is faster). Bytes: what a fork copies (measured: the pool
 is compared before and after, and the allocator's free count) vs what a dense fork clones (the dense model's
-caches at the same point, measured). Capacity at DREAMZERO_14B sizes is computed from the pool geometry
-(`KVPool.bytes_per_block_all_layers`), not measured.
+caches at the same point, measured), and what a fork keeps in host memory (its `Owner`, block lists, region
+references, refcounts: measured with tracemalloc, `fork_host_bytes`). Capacity at DREAMZERO_14B sizes is
+computed from the pool geometry (`KVPool.bytes_per_block_all_layers`), not measured.
 
 `--regions`: memory of N sessions sharing one prompt's cross-attention K/V as shared write-once regions
 (`regions.py`) vs each session holding its own, N = 1, 2, 4, 8: measured on a small CPU config (blocks the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tracemalloc
 from pathlib import Path
 
 import torch
@@ -32,8 +34,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import DZ_MID, DZ_TINY, bench_settings, interleaved, machine_info, markdown_table, summarize  # noqa: E402
 from paged_kv_compile import families  # noqa: E402
-from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config  # noqa: E402
 from paged_kv_compile.families.base import ceil_div  # noqa: E402
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config, session_blocks_per_row  # noqa: E402
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B, DreamZeroConfig, DreamZeroModel  # noqa: E402
 from paged_kv_compile.pool import KVPool  # noqa: E402
 from paged_kv_compile.runtime import PagedKVRuntime  # noqa: E402
@@ -46,6 +48,20 @@ def _inputs(cfg: DreamZeroConfig, seed: int, rows: int) -> tuple[torch.Tensor, t
     x = torch.randn(1, cfg.chunk_tokens, cfg.in_channels, generator=g).expand(rows, -1, -1)
     a = torch.randn(1, cfg.action_register_length, cfg.action_dim, generator=g).expand(rows, -1, -1)
     return x, a
+
+
+def fork_host_bytes(rt: PagedKVRuntime, parent: str, children: list[str]) -> int:
+    """Host memory the forks of `parent` into `children` keep, per fork: bytes still allocated after the forks
+    (tracemalloc: only what they allocate counts), divided by their number. Device bytes: none (the pool is not
+    touched; `timing` checks it)."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for child in children:
+            rt.fork(parent, child)
+        return (tracemalloc.get_traced_memory()[0] - before) // len(children)
+    finally:
+        tracemalloc.stop()
 
 
 def timing(cfg: DreamZeroConfig, ks: list[int], repeats: int) -> tuple[list[dict], dict]:
@@ -76,10 +92,10 @@ def timing(cfg: DreamZeroConfig, ks: list[int], repeats: int) -> tuple[list[dict
     start = chunks * cfg.num_frame_per_block
 
     pool_before, free_before = rt.pool.tensor.clone(), rt.scheduler.allocator.num_free
-    for k in range(kmax):
-        rt.fork("parent", f"c{k}")
+    host = fork_host_bytes(rt, "parent", [f"c{k}" for k in range(kmax)])
     copied = 0 if torch.equal(rt.pool.tensor, pool_before) else rt.pool.nbytes
-    bytes_row = {"fork_blocks_taken": free_before - rt.scheduler.allocator.num_free, "fork_bytes_copied": copied}
+    bytes_row = {"fork_blocks_taken": free_before - rt.scheduler.allocator.num_free, "fork_bytes_copied": copied,
+                 "fork_metadata_bytes": host}
     dense = DreamZeroModel(cfg, seed=0)
     caches = dense.dense_caches(2)
     for chunk in range(chunks):
@@ -87,7 +103,6 @@ def timing(cfg: DreamZeroConfig, ks: list[int], repeats: int) -> tuple[list[dict
         _, _, caches = dense(x, a, torch.zeros(2), chunk * cfg.num_frame_per_block, caches, cross,
                              update_kv_cache=True)
     bytes_row["dense_clone_bytes"] = sum(c.clone().numel() * c.element_size() for c in caches)
-    bytes_row["fork_metadata_bytes"] = 0  # a fork adds one reference per block on the host, nothing on the device
 
     rows = []
     for K in ks:
@@ -108,8 +123,11 @@ def capacity(cfg: DreamZeroConfig = DREAMZERO_14B, budget_gib: float = 80.0) -> 
     """Candidates that fit in `budget_gib` of KV next to the parent's full window, bf16, computed.
 
     Fork: a candidate holds only what it commits (one chunk per CFG row, whole blocks) plus the scratch of
-    its 2 rows in the batched forward; the parent's window is shared. Clone: a candidate holds a whole dense
-    window of both rows (`DreamZeroConfig.kv_cache_bytes`), as vllm-omni's fork does.
+    its 2 rows in the batched forward; the parent's window is shared (`forks_fit`). Clone: a candidate holds a
+    whole dense window of both rows (`DreamZeroConfig.kv_cache_bytes`), as vllm-omni's fork does.
+    Admission reserves what a session holds up to its reset, and a fork reserves as much as its parent, since
+    its own commits may come to replace the whole shared window (issue 23, defect 5): the runtime admits
+    `forks_admitted` forks next to the parent, each reserving `per_fork_reserved_gib`.
     """
     pcfg = dreamzero_runtime_config(cfg, dtype=torch.bfloat16)
     block_all_layers = KVPool.bytes_per_block_all_layers(pcfg)
@@ -120,12 +138,14 @@ def capacity(cfg: DreamZeroConfig = DREAMZERO_14B, budget_gib: float = 80.0) -> 
     scratch = 2 * pcfg.scratch_blocks_per_row * block_one_layer
     per_fork = chunk_blocks * block_all_layers + scratch
     per_clone = window + scratch
+    reserved = 2 * session_blocks_per_row(DreamZeroSpec.from_model_config(cfg), pcfg.block_size) * block_all_layers
     return {
         "block_size": pcfg.block_size, "block_bytes_all_layers": block_all_layers,
         "window_gib": round(window / GIB, 2), "per_fork_gib": round(per_fork / GIB, 2),
         "per_clone_gib": round(per_clone / GIB, 2),
         "forks_fit": int((budget - window) // per_fork), "clones_fit": int((budget - window) // per_clone),
-        "budget_gib": budget_gib,
+        "per_fork_reserved_gib": round((reserved + scratch) / GIB, 2),
+        "forks_admitted": int((budget - reserved) // (reserved + scratch)), "budget_gib": budget_gib,
     }
 
 
@@ -206,11 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(rows, [("K", "K"), ("rows", "rows"), ("batched ms", "batched_ms"),
                                 ("K sequential ms", "sequential_ms"), ("sequential / batched", "ratio"),
                                 ("ratio IQR", "ratio_iqr")]))
-    print(f"\nfork: {bytes_row['fork_blocks_taken']} blocks taken, {bytes_row['fork_bytes_copied']} KV bytes copied; "
-          f"dense clone of the same state: {bytes_row['dense_clone_bytes']} bytes (fp32)")
+    print(f"\nfork: {bytes_row['fork_blocks_taken']} blocks taken, {bytes_row['fork_bytes_copied']} KV bytes copied, "
+          f"{bytes_row['fork_metadata_bytes']} host bytes kept per fork; dense clone of the same state: "
+          f"{bytes_row['dense_clone_bytes']} bytes (fp32)")
     print(f"\nDREAMZERO_14B (bf16, block {cap['block_size']} tokens): full window of 2 CFG rows {cap['window_gib']} GiB; "
           f"per candidate: fork {cap['per_fork_gib']} GiB, clone {cap['per_clone_gib']} GiB; next to the parent in "
-          f"{cap['budget_gib']:.0f} GiB: {cap['forks_fit']} forks vs {cap['clones_fit']} clones")
+          f"{cap['budget_gib']:.0f} GiB: {cap['forks_fit']} forks vs {cap['clones_fit']} clones; admission reserves "
+          f"{cap['per_fork_reserved_gib']} GiB per fork (its commits up to its reset): {cap['forks_admitted']} forks "
+          "admitted")
     return 0
 
 

@@ -226,9 +226,9 @@ def real_sizes(budget_gib: float, sessions=(1, 2, 4, 8), requests=(1, 8, 32, 128
         blocks_per_layer=1, dtype=dtype))
     dz_rows = []
     for n in sessions:
-        # A pool just big enough: every session at its longest history, one of them mid-commit; the
-        # scheduler also admits a session only if its loop's own peak (both rows) fits the whole pool.
-        blocks = max(((n - 1) * held + inflight) // per_block_layers, 2 * session_blocks_per_row(spec, REAL_BLOCK))
+        # A pool just big enough: admission reserves every session's own peak (both rows, a commit in flight),
+        # as a batched commit may carry them all (issue 23: with nothing reserved, sessions could deadlock).
+        blocks = n * 2 * session_blocks_per_row(spec, REAL_BLOCK)
         probe = paged_dreamzero_probe(dz, dtype, blocks_per_layer=max(blocks, 1), max_sessions=n)
         dz_rows.append({"sessions": n, "dense_held_gib": n * dz_dense["held"] / GiB,
                         "dense_peak_gib": ((n - 1) * dz_dense["held"] + dz_dense["peak"]) / GiB,
@@ -363,9 +363,9 @@ def measured(n: int, m: int, inner: str, chunks: int | None = None, dz_steps: in
     C, W, F = dz_cfg.chunk_tokens, dz_cfg.max_attention_size, dz_cfg.frame_seqlen
     chunks = chunks or W // C + 2  # past the point where the window is full
     tb_dz = token_bytes(dz_cfg.num_layers, dz_cfg.num_heads, dz_cfg.head_dim, torch.float32)
-    # A pool sized to what the sessions hold at most: every session's history (window - chunk) plus one
-    # chunk in flight; the requests' prompt blocks. (dreamzero_runtime_config's default reserves full windows.)
-    dz_blocks = (n * 2 * (W - C) + 2 * C) // F
+    # A pool sized to what admission reserves: each session's peak (its history plus a chunk in flight, both
+    # rows; issue 23: every session's, as a batched commit may carry them all); the requests' prompt blocks.
+    dz_blocks = n * 2 * session_blocks_per_row(DreamZeroSpec.from_model_config(dz_cfg), F)
     hy_blocks = sum(_ceil(p, TINY_HY_BLOCK) for j in range(m) for p in TINY_HY_PROMPTS[j % len(TINY_HY_PROMPTS)])
     out = {}
     for path in ("dense", "paged"):

@@ -164,8 +164,12 @@ def _check_write_positions(active, writes: list[tuple[torch.Tensor, int | None]]
     """The dense columns a static-cache site writes (its position_ids) must be the layout's (else refused).
 
     Checked on the host once per forward and input tensor (every layer reads the same position_ids): `seen`
-    remembers what was checked in the runtime's current forward (its generation)."""
+    remembers what was checked in the runtime's current forward (its generation). A warm-up or capture forward
+    (`runtime.warmup_forward`: a plan without rows, all-padding metadata) writes and reads nothing, so there is no
+    layout to check its example positions against (issue 23: a per-row write refused every warm-up)."""
     plan = active.plan
+    if not plan.rows:
+        return
     if seen.get("generation") != (id(active), active.generation):
         seen.clear()
         seen["generation"] = (id(active), active.generation)

@@ -98,9 +98,9 @@ def mask_rows(mask: torch.Tensor, rows: int) -> list[torch.Tensor]:
     time, `_attends`), so no (rows, Q, K) bool copy is made. A broadcast (1, ...) mask gives every row the
     same view object.
 
-    Accepts (rows, 1, Q, K), (rows, Q, K) or a broadcast (1, ...) mask; boolean (True = attend) or
-    additive (0 = attend; -inf or the dtype's lowest value = masked). Any other additive value is kept as
-    "attended" and then fails the prefix check: refused, never silently reinterpreted.
+    Accepts (rows, 1, Q, K), (rows, Q, K) or a broadcast (1, ...) mask; boolean (True = attend) or additive
+    (0 = attend; at most `MASKED_AT`, -inf included = masked). Any other additive value (a bias, +inf, NaN) is
+    refused by the readers, never read as one or the other (`_attends`).
     """
     if mask.dim() == 4:
         if mask.shape[1] != 1:
@@ -110,6 +110,9 @@ def mask_rows(mask: torch.Tensor, rows: int) -> list[torch.Tensor]:
         raise RequestError(f"the attention mask must be (rows, 1, queries, keys), got shape {tuple(mask.shape)}")
     if mask.shape[0] not in (1, rows):
         raise RequestError(f"the attention mask has {mask.shape[0]} rows but the request has {rows} CFG rows")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise RequestError(f"the attention mask is {mask.dtype}; pass a boolean (True = attend) or an additive "
+                           "floating mask (0 = attend, -inf or torch.finfo(dtype).min = masked)")
     mask = mask.detach()
     return [mask[r] for r in range(rows)] if mask.shape[0] > 1 else [mask[0]] * rows
 
@@ -117,28 +120,94 @@ def mask_rows(mask: torch.Tensor, rows: int) -> list[torch.Tensor]:
 #: Mask entries read per block of queries (a bool block of 512 KB, its bf16 source 1 MB: both stay in cache
 #: between the conversion and the two sums that read the block).
 _BLOCK_ELEMENTS = 1 << 19
-#: Per additive float dtype: its same-size integer dtype and the integer views of (finfo.min, +inf).
-_INT_VIEWS = {dt: (it, *torch.tensor([torch.finfo(dt).min, float("inf")], dtype=dt).view(it).tolist())
-              for dt, it in ((torch.bfloat16, torch.int16), (torch.float16, torch.int16),
-                             (torch.float32, torch.int32), (torch.float64, torch.int64))}
+#: An additive mask entry at or below this hides its key; 0 (or -0.0) attends; anything else is refused.
+#: Why: SDPA adds the entry to the logit, so a masked key's weight is exp(s_masked + v - max) / sum, exactly 0 in
+#: the fp32 softmax every SDPA backend uses (bf16/fp16 inputs included) once the exponent is below -103.97.
+#: No finite v is 0 for every logit. Measured (`tests/test_mask_layout.py::test_masked_value_weight` keeps it):
+#: v = -8192 gives output bit-identical to dropping the key while the masked key's logit is less than about 8,170
+#: above the row's largest visible one, in fp32, bf16 and fp16; -1e3 already differs (by 2.0) at a gap of 1,000.
+#: -2**13 is exact in every float dtype, so the conventional -1e4 (bf16 rounds it to -9984), -1e9, every
+#: finfo.min and -inf all read as masked, while a real bias (ALiBi, a soft penalty) is refused: the op cannot
+#: express one.
+MASKED_AT = -8192.0
+#: Per additive float dtype: its same-size integer dtype and the integer views of MASKED_AT and -inf. Negative
+#: floats view as integers that grow with the magnitude: v <= MASKED_AT is exactly view(MASKED_AT) <= i <=
+#: view(-inf) (a negative NaN lies above view(-inf)); -0.0 views as the integer minimum, +0.0 as 0.
+def _int_view(dtype: torch.dtype, itype: torch.dtype, utype: type) -> tuple:
+    """(signed integer dtype, view(MASKED_AT), view(-inf), unsigned numpy dtype, unsigned view(-inf))."""
+    masked, ninf = torch.tensor([MASKED_AT, float("-inf")], dtype=dtype).view(itype).tolist()
+    return itype, masked, ninf, utype, ninf % (1 << (8 * np.dtype(utype).itemsize))
+
+
+_INT_VIEWS = {dt: _int_view(dt, it, ut)
+              for dt, it, ut in ((torch.bfloat16, torch.int16, np.uint16), (torch.float16, torch.int16, np.uint16),
+                                 (torch.float32, torch.int32, np.uint32), (torch.float64, torch.int64, np.uint64))}
+
+
+class AmbiguousMaskValue(RequestError):
+    """An additive mask entry that is neither "attend" (0) nor "masked" (<= MASKED_AT): the op cannot express it."""
+
+    def __init__(self, query: int, key: int, value: float, row: int | None = None) -> None:
+        self.query, self.key, self.value = query, key, value
+        where = "" if row is None else f"row {row}: "
+        super().__init__(
+            f"{where}the attention mask holds {value!r} at (query {query}, key {key}): an additive mask entry must be "
+            f"0 (attend) or at most {MASKED_AT:g} (-inf, torch.finfo(dtype).min: masked, softmax weight exactly 0); "
+            "a value in between is a bias, which the paged op cannot express. Build the mask with "
+            "masked_fill(~allowed, torch.finfo(dtype).min) or pass it as a boolean mask, or run this request densely"
+        )
+
+    def at(self, first_query: int = 0, row: int | None = None) -> "AmbiguousMaskValue":
+        """The same entry in a larger mask: its block starts at `first_query`, it is CFG row `row`."""
+        return AmbiguousMaskValue(self.query + first_query, self.key, self.value, row)
+
+    def where(self) -> str:
+        """Where and what, for a message that names the row itself (`mask_disagreement`)."""
+        return (f"query {self.query}, key column {self.key}: mask value {self.value!r} is neither 0 (attend) nor at "
+                f"most {MASKED_AT:g} (masked, weight exactly 0), a bias the paged op cannot express; build the mask "
+                "with masked_fill(~allowed, torch.finfo(dtype).min) or pass a boolean mask")
+
+
+def _ambiguous(block: torch.Tensor, bad: torch.Tensor | np.ndarray) -> AmbiguousMaskValue:
+    """The first (row-major) entry of a 1-D or 2-D block flagged in `bad`, as an error."""
+    bad = torch.as_tensor(bad).reshape(block.shape)
+    index = [int(i) for i in bad.nonzero()[0]]
+    q, k = (index[0], index[0]) if bad.dim() == 1 else index  # a diagonal: entry i is (i, i)
+    return AmbiguousMaskValue(q, k, float(block[tuple(index)]))
 
 
 def _attends(block: torch.Tensor, out: np.ndarray | None = None) -> torch.Tensor:
-    """Which entries of a mask block attend: True for a boolean mask, `> finfo.min` for an additive one.
+    """Which entries of a mask block attend: True for a boolean mask; for an additive one, 0 attends and a value
+    at most `MASKED_AT` is masked. Any other value raises `AmbiguousMaskValue` (first offending entry).
 
-    On the host, a block whose raw integers all lie in [view(finfo.min), view(+inf)] holds only non-negative
-    floats (0 ... +inf, all attended) and finfo.min, -inf or a negative NaN (none attended; integers below
-    zero): there `> finfo.min` is exactly `integer >= 0`, which numpy computes several times faster than
-    torch's bf16 comparison. Any other block (a -0.0, a negative bias, a positive NaN) takes the comparison.
+    On the host, a block whose raw integers all lie in [view(MASKED_AT), view(-inf)] or are 0 holds only +0.0
+    (attended) and masked values: there "attends" is exactly `integer >= 0`, which numpy computes several times
+    faster than torch's bf16 comparison (one min, one max and one comparison per block, as before). Any other
+    block (a -0.0, a bias, +inf, a NaN) takes the exact classification, which names a refused entry.
     """
     if block.dtype == torch.bool:
         return block
     view = _INT_VIEWS.get(block.dtype)
     if view is not None and block.device.type == "cpu" and block.numel():
         ints = block.view(view[0]).numpy()
-        if ints.min() >= view[1] and ints.max() <= view[2]:
+        # signed: nothing below view(MASKED_AT) (a -0.0, a small negative) or above 0 (a positive); unsigned:
+        # nothing above view(-inf) (a negative NaN, which lies between view(-inf) and 0 in the signed view)
+        if ints.min() >= view[1] and ints.max() <= 0 and ints.view(view[3]).max() <= view[4]:
             return torch.from_numpy(np.greater_equal(ints, 0, out=out))
-    return block > torch.finfo(block.dtype).min
+        zero = np.iinfo(ints.dtype).min  # -0.0
+        attends = (ints == 0) | (ints == zero)
+        bad = ~attends & ((ints < view[1]) | (ints > view[2]))
+        if bad.any():
+            raise _ambiguous(block, bad)
+        if out is not None:
+            np.copyto(out, attends)
+            attends = out
+        return torch.from_numpy(attends)
+    attends = block == 0
+    bad = ~attends & ~(block <= MASKED_AT)  # NaN compares False: refused
+    if bool(bad.any()):
+        raise _ambiguous(block, bad.cpu())
+    return attends
 
 
 def _attend_counts(mask: torch.Tensor, counted: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +230,10 @@ def _attend_counts(mask: torch.Tensor, counted: np.ndarray | None = None) -> tup
     out = np.empty((min(step, Q), K), dtype=bool)
     for start in range(0, Q, step):
         block = mask[start : start + step]
-        attends = _attends(block, out[: len(block)]).numpy().view(np.uint8)
+        try:
+            attends = _attends(block, out[: len(block)]).numpy().view(np.uint8)
+        except AmbiguousMaskValue as e:
+            raise e.at(start) from None
         np.add.reduce(attends, axis=1, dtype=np.int32, out=per_query[start : start + len(block)])
         if skipped is not None and skipped[start : start + len(block)].any():
             attends = attends[~skipped[start : start + len(block)]]
@@ -191,7 +263,8 @@ class MaskLayout:
 def layout_from_prefill_mask(mask: torch.Tensor, row: int = 0) -> MaskLayout:
     """Read a row's layout from its (S, S) prefill mask, or refuse with the first query it cannot express.
 
-    `mask`: a `mask_rows` view (boolean or additive). The paged op gives every
+    `mask`: a `mask_rows` view (boolean or additive: an entry that is neither "attend" nor "masked" is refused,
+    `_attends`). The paged op gives every
     query the first `visible_end` kept tokens of its row, in order. So: a token is padding when no other token
     sees it and it sees nothing but (at most) itself; every other token that anyone sees is kept, in dense
     order, wherever the padding sits (left, middle, right); and every query must see exactly a prefix of the
@@ -207,7 +280,10 @@ def layout_from_prefill_mask(mask: torch.Tensor, row: int = 0) -> MaskLayout:
     S = mask.shape[-1]
     if mask.shape != (S, S):
         raise RequestError(f"a prefill mask must be square (queries = keys), got {tuple(mask.shape)}")
-    sees, seen = _attend_counts(mask)
+    try:
+        sees, seen = _attend_counts(mask)
+    except AmbiguousMaskValue as e:
+        raise e.at(row=row) from None
     on_diag = _attends(torch.diagonal(mask)).cpu().numpy().astype(np.int64)
     pad = (seen == on_diag) & (sees == on_diag)
     ends = sees - (pad & (on_diag == 1))  # a pad sees at most itself: nothing once dropped
@@ -241,7 +317,8 @@ def _first_disagreement(mask: torch.Tensor, row: int, pad: torch.Tensor, kept: t
 def mask_disagreement(mask: torch.Tensor, row: RowLayout, key_positions: torch.Tensor) -> str:
     """Where a dense (Q, K) mask row block disagrees with what the paged op gives each query ("" if nowhere).
 
-    `mask`: a `mask_rows` view (boolean or additive). key_positions[c] is the
+    `mask`: a `mask_rows` view (boolean or additive; an entry that is neither "attend" nor "masked" is a
+    disagreement, `AmbiguousMaskValue.where`). key_positions[c] is the
     logical position dense key column c holds (-1: padding, never visible). Queries with nothing visible
     (padding) are not compared: their output is not computed.
 
@@ -264,7 +341,10 @@ def mask_disagreement(mask: torch.Tensor, row: RowLayout, key_positions: torch.T
     firsts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(held)])  # firsts[n]: the n smallest, summed
     heavy = max(int(ends.max()) if len(ends) else 0, int(keys.max()) if len(keys) else 0) + 1
     weight = np.where(keys >= 0, keys, heavy)
-    sees, seen = _attend_counts(got, valid)
+    try:
+        sees, seen = _attend_counts(got, valid)
+    except AmbiguousMaskValue as e:
+        return e.where()
     if np.array_equal(sees[valid], count[valid]) and int((seen * weight).sum()) == int(firsts[count[valid]].sum()):
         return ""
     got = _attends(got).to("cpu")

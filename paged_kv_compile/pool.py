@@ -27,6 +27,8 @@ Set them with `set_scales` (e.g. from a calibration run's amax, `scales_from_ama
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .config import FP8_DTYPES, PagedKVConfig
@@ -65,6 +67,9 @@ class KVPool:
             raise ConfigError(f"the pool dtype must be a floating type, got {dtype}")
         #: float32 [2, num_blocks_total, Hkv] for FP8 pools (see the module docstring), else None.
         self.scales: torch.Tensor | None = None
+        #: How many managed blocks per layer are held (each holds, or will hold, K/V quantized with the current
+        #: scales): `set_scales` refuses while any is. The runtime's scheduler installs its allocator's count.
+        self.blocks_held: Callable[[], int] = lambda: 0
         self.num_layers = num_layers
         self.blocks_per_layer = blocks_per_layer
         self.block_size = block_size
@@ -138,10 +143,21 @@ class KVPool:
         """Static scales per (layer, kv head), each broadcastable to ``[num_layers, num_kv_heads]``.
 
         A stored value x means x * scale. Scratch and pad blocks get the per-head maximum over layers.
-        Set them before the first forward: blocks already written keep the values of their old scale.
+        Refused while any managed block is held (`blocks_held`): history, prompt prefixes and shared regions
+        (written at admission) were quantized with the current scales, and attention would dequantize them with
+        the new ones (issue 23: 100x off). Re-quantizing them is not exact in general (FP8 rounding of x / s_old
+        then of x * s_old / s_new): set the scales before admitting anything.
         """
         if self.scales is None:
             raise ConfigError(f"the pool stores {self.tensor.dtype}, not FP8: it has no scales; set kv_dtype")
+        held = self.blocks_held()
+        if held:
+            raise ConfigError(
+                f"set_scales while {held} blocks per layer are held: their K/V (history, prompt prefixes, shared "
+                "regions written at admission) was quantized with the current scales, and attention would read it "
+                "with the new ones. Set the scales before admitting any session or request (e.g. right after "
+                "building the runtime), or release every owner first"
+            )
         shape = (self.num_layers, self.num_kv_heads)
         new = []
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):

@@ -8,7 +8,8 @@ holds no reference of its own: a region is forgotten when its last holder lets g
 
 Isolation (as vLLM's `cache_salt`: a cache hit across tenants leaks through timing):
   * the registry key is a blake2b digest of the salt, the geometry and either a content key the caller gives or
-    the stored K/V bytes themselves -- never Python's `hash`;
+    the stored K/V bytes themselves -- never Python's `hash`; no salt (None) is a namespace of its own, distinct
+    from every salt including "" (`_salt_bytes`), and a str salt is its UTF-8 bytes;
   * a key match is only a candidate: its stored bytes are compared with the new content (bit for bit, in the
     pool's dtype) before any block is shared, so a forged or colliding caller key gets a region of its own and
     reads its own values;
@@ -74,12 +75,17 @@ class RegionPlan:
 
 
 def _salt_bytes(cache_salt: Any) -> bytes:
+    """What the digest hashes for a salt: b"none" for no salt, b"salt:" + the salt's bytes otherwise.
+
+    No salt (None) is its own namespace, apart from every salt, the empty one included (issue 23: None and ""
+    both hashed as b"", so unsalted sessions shared regions with salt ""). A str salt is its UTF-8 bytes: "alice"
+    and b"alice" name one tenant (vLLM's cache_salt is a str; a caller holding bytes means the same id)."""
     if cache_salt is None:
-        return b""
+        return b"none"
     if isinstance(cache_salt, str):
-        return cache_salt.encode()
+        return b"salt:" + cache_salt.encode()
     if isinstance(cache_salt, bytes):
-        return cache_salt
+        return b"salt:" + cache_salt
     raise ConfigError(f"cache_salt must be a str or bytes (a tenant or user id), got {type(cache_salt).__name__}")
 
 
@@ -132,7 +138,7 @@ class SharedRegions:
                  content_keys: Sequence[Any] | None) -> list[RegionRequest]:
         """Validate one owner's per-layer K/V `(2, rows, tokens, Hkv, D)` and key each row; changes nothing."""
         L, H, D = pool.num_layers, pool.num_kv_heads, pool.head_dim
-        salt = _salt_bytes(cache_salt)
+        _salt_bytes(cache_salt)  # a bad salt is refused first
         if isinstance(cross_kv, torch.Tensor) or not isinstance(cross_kv, (list, tuple)) or len(cross_kv) != L:
             raise ConfigError(
                 f"cross_kv must be a list of {L} per-layer tensors (2, rows, tokens, {H}, {D}), as "
@@ -159,7 +165,7 @@ class SharedRegions:
         out = []
         for r in range(rows):
             stored = pool.to_stored(stacked[:, :, r])
-            out.append(RegionRequest(region_digest(salt, stored, keys[r]), stored))
+            out.append(RegionRequest(region_digest(cache_salt, stored, keys[r]), stored))
         return out
 
     def resolve(self, pool: KVPool, requests: list[RegionRequest], ending: set[int] = frozenset()) -> RegionPlan:

@@ -158,6 +158,7 @@ class PagedKVRuntime:
             self._check_all_layers_wrote(self.active)
         except BaseException:
             self.active = None
+            meta.last_key = ()  # the aborted plan's build is never repeated: a retry may plan another layout
             self.scheduler.abort_forward(plan)
             raise
         self.active = None

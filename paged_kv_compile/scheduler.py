@@ -9,6 +9,7 @@ leaves the state exactly as it was; a forward that fails is rolled back by `abor
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -75,6 +76,7 @@ class Scheduler:
             )
         self.pool = pool
         self.allocator = allocator
+        pool.blocks_held = lambda: allocator.num_blocks - allocator.num_free  # FP8 set_scales refuses while > 0
         self.max_rows = max_rows
         self.max_sessions = max_sessions  # LRU cap on live owners of families with `evict_lru`
         self.owners: OrderedDict[str, Owner] = OrderedDict()  # LRU order: last used at the end
@@ -84,6 +86,7 @@ class Scheduler:
         self.sharing: set[str] = set()
         #: shared write-once regions (cross-attention K/V) and who holds them (`regions.py`)
         self.regions = SharedRegions()
+        self._serials = itertools.count()  # Owner.serial: one per admission or fork, never reused
 
     # ---- the BlockSource the families use -----------------------------------------------------
     @property
@@ -149,7 +152,8 @@ class Scheduler:
             raise RequestError(f"id {owner_id!r} is already live; finish or close it first, or use a new id")
         if owner_id in self.finished:
             raise RequestError(
-                f"id {owner_id!r} was already used and is {self.finished[owner_id]}; ids are single-use: pick a new one"
+                f"id {owner_id!r} was already used and is {self.finished[owner_id]}; pick a new id (the last "
+                f"{self.FINISHED_MEMORY} finished ids are refused, to catch a resubmitted request)"
             )
 
     def _check_rows(self, rows: int) -> None:
@@ -176,6 +180,31 @@ class Scheduler:
             raise RequestError(
                 f"a forward for {self.in_flight.owner_id!r} is still in flight; finish or abort it before changing state"
             )
+
+    def _reserved(self, without: Owner | None = None) -> int:
+        """Blocks per layer promised to live owners (each owner's reservation, `Owner.reserved`) plus the blocks of
+        live shared regions; `without`: as if that owner were released (an LRU eviction)."""
+        total = sum(o.reserved for o in self.owners.values() if o is not without)
+        ending = self.regions.ending_with(without.owner_id) if without is not None else set()
+        freed = {b for r in self.regions.of(without.owner_id) if id(r) in ending for b in r.blocks} if ending else ()
+        return total + len(self.regions.blocks) - len(freed)
+
+    def _check_reserved(self, what: str, need: int, victim: Owner | None) -> None:
+        """Refuse an admission or fork whose reservation `need` does not fit beside every other one.
+
+        Each owner holds at most its reservation and a shared block is counted once, so the blocks in use never
+        exceed the reserved total: while it fits in the pool, no admitted owner ever waits for a block (issue 23:
+        unreserved sessions all committed once, then every commit failed for good)."""
+        reserved, pool = self._reserved(victim), self.allocator.num_blocks
+        if reserved + need > pool:
+            raise CapacityError(
+                f"{what} reserves {need} blocks per layer (the most it holds up to its reset, and its new shared "
+                f"regions) but only {pool - reserved} of the pool's {pool} are free to reserve (live sessions, "
+                f"requests and regions reserve {reserved}"
+                + (" even after evicting the least recently used session)" if victim is not None else ")")
+                + (": it can never fit; raise the pool budget" if need > pool else
+                   ": retry after another one ends, or raise the pool budget (the family's runtime config reserves "
+                   "room for exactly N owners: sessions=N, requests=N)"))
 
     def _release(self, owner: Owner, why: str) -> None:
         for row in owner.rows:
@@ -207,7 +236,10 @@ class Scheduler:
         """Admit a session/request of `spec`'s family with `rows` rows (default: what the spec says).
 
         All rows or none; past `max_sessions` live owners of an LRU-evicting family, the least recently
-        used one is evicted first. `cross_kv` (per layer `(2, rows, tokens, Hkv, D)`, e.g. a model's
+        used one is evicted first. Admission reserves the most the owner holds up to its reset (the family's
+        `reserve`, e.g. what a session's commits take), refused unless it fits beside every live reservation: an
+        admitted owner never waits for a block another one holds (`_check_reserved`). `cross_kv` (per layer
+        `(2, rows, tokens, Hkv, D)`, e.g. a model's
         cross-attention K/V) becomes one shared write-once region per row (`regions.py`): a live region of the
         same `cache_salt` with the same content (`content_keys[row]` if given, else the bytes; the bytes are
         always compared before sharing) is shared by reference count, else the row's K/V is written once into
@@ -219,6 +251,7 @@ class Scheduler:
         rows = fam.rows(spec, rows)
         self._check_rows(rows)
         counts = fam.admission_blocks(spec, rows, self)
+        reserved = max(sum(counts), fam.reserve(spec, rows, self))  # what the owner may hold up to its reset
         if cross_kv is None:
             if cache_salt is not None or content_keys is not None:
                 raise ConfigError("cache_salt and content_keys key a shared region: pass them with cross_kv")
@@ -227,9 +260,11 @@ class Scheduler:
             requests = self.regions.requests(self.pool, cross_kv, rows, cache_salt, content_keys)
         victim = self._lru_victim(fam)
         if requests is None:
+            self._check_reserved(f"admitting {owner_id!r}", reserved, victim)
             if victim is not None:
                 self._release(victim, "evicted (LRU cap on live sessions)")
-            self.owners[owner_id] = Owner(owner_id, fam.name, spec, self.allocate_rows(counts))
+            self.owners[owner_id] = Owner(owner_id, fam.name, spec, self.allocate_rows(counts),
+                                          serial=next(self._serials), reserved=reserved)
             return
         # Regions take blocks at admission: check they fit (with what an eviction would free) before evicting.
         ending = self.regions.ending_with(victim.owner_id) if victim is not None else set()
@@ -244,6 +279,7 @@ class Scheduler:
                 + (f"; the whole pool has {self.allocator.num_blocks}: it can never fit" if never else
                    "; retry after other sessions close")
                 + ", or raise the pool budget (the family's runtime config sizes room for N regions: cross_regions=N)")
+        self._check_reserved(f"admitting {owner_id!r}", reserved + sum(need[len(counts):]), victim)
         if victim is not None:
             self._release(victim, "evicted (LRU cap on live sessions)")
         taken = self.allocate_rows(need)
@@ -254,7 +290,8 @@ class Scheduler:
                 self.free(ids)
             self.regions.held.pop(owner_id, None)
             raise
-        self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken[: len(counts)])
+        self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken[: len(counts)], serial=next(self._serials),
+                                      reserved=reserved)
 
     def _freed_by(self, owner: Owner) -> int:
         """How many blocks releasing `owner` would free: those it alone holds (rows and regions)."""
@@ -289,13 +326,16 @@ class Scheduler:
         self._check_new_id(child_id)
         shared = [b for row in parent.rows for b in row]
         victim = self._lru_victim(fam, sparing=parent_id)
+        # The child's own commits need what the parent's do: it reserves as much (history is shared until then).
+        self._check_reserved(f"forking {parent_id!r} into {child_id!r}", parent.reserved, victim)
         if victim is not None:
             self._release(victim, "evicted (LRU cap on live sessions)")
         self.allocator.share(shared)
         self.regions.fork(parent_id, child_id, self.allocator)
         self.sharing.update((parent_id, child_id))
         self.owners[child_id] = Owner(child_id, parent.family, parent.spec, [list(r) for r in parent.rows],
-                                      phases_done=set(parent.phases_done), state=state)
+                                      phases_done=set(parent.phases_done), state=state, serial=next(self._serials),
+                                      reserved=parent.reserved)
 
     def release(self, owner_id: str) -> None:
         """End a session/request normally; all its blocks are freed."""

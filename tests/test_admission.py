@@ -109,3 +109,102 @@ def test_a_commit_past_the_reset_frame_is_refused_without_change():
     assert (sched.owned_blocks(), sched.allocator.num_free, sched.in_flight) == before
     sched.reset("s")
     sched.finish_forward(sched.plan("s", "commit"))  # after the reset it commits again
+
+
+# ---- issue 23, defect 5: admission reserves what a session holds up to its reset --------------------------------
+from paged_kv_compile.families.dreamzero import dreamzero_runtime_config  # noqa: E402
+from paged_kv_compile.models.dreamzero import DreamZeroConfig  # noqa: E402
+from paged_kv_compile.runtime import PagedKVRuntime  # noqa: E402
+
+# Default-size blocks (one frame), a 4-frame window with a sink, reset at frame 6: 2 commits of 2 frames per cycle.
+LOOP_CFG = DreamZeroConfig(num_layers=1, frame_seqlen=4, num_frame_per_block=2, local_attn_size=4, sink_size=1,
+                           window_reset_frames=6, action_register_length=2)
+LOOP_SPEC = DreamZeroSpec.from_model_config(LOOP_CFG)
+
+
+def loop_steps(sched: Scheduler, sid: str, spec: DreamZeroSpec, start: int = 0, previous: bool = False):
+    """One session's loop, one forward per `next` (as `dreamzero_steps` drives it): commit the previous chunk,
+    denoise the current one (starting at frame `start`), reset the window when the start frame reaches the
+    reset frame."""
+    while True:
+        if previous:
+            sched.finish_forward(sched.plan(sid, "commit"))
+            yield
+        sched.finish_forward(sched.plan(sid, "denoise"))
+        yield
+        previous, start = True, start + spec.chunk_frames
+        if spec.reset_frames is not None and start >= spec.reset_frames:
+            sched.reset(sid)
+            start, previous = 0, False
+
+
+def interleave(sched: Scheduler, sids: list[str], forwards: int) -> None:
+    """Every session's loop, one forward each in turn: none may ever wait for a block (CapacityError)."""
+    loops = [loop_steps(sched, sid, LOOP_SPEC) for sid in sids]
+    for _ in range(forwards):
+        for loop in loops:
+            next(loop)
+
+
+def test_three_sessions_in_a_pool_for_one_deadlocked_now_the_second_is_refused():
+    """Issue 23's case: a pool from dreamzero_runtime_config(cfg, sessions=1) admitted three sessions (admission
+    took nothing); each committed once, then every commit of all three raised CapacityError, forever. Now the
+    second admission is refused (what the first reserved is counted) and the first runs its loop to the end."""
+    rt = PagedKVRuntime(dreamzero_runtime_config(LOOP_CFG, sessions=1))
+    rt.admit("a", LOOP_SPEC)
+    before = rt.state()
+    with pytest.raises(CapacityError, match=r"admitting 'b' reserves 8 blocks per layer .* only 0 of the pool's 8 are "
+                                            r"free to reserve .*the family's runtime config reserves room for exactly N owners"):
+        rt.admit("b", LOOP_SPEC)
+    assert rt.state() == before
+    interleave(rt.scheduler, ["a"], 20)
+
+
+@pytest.mark.parametrize("sessions", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_pool_built_for_n_sessions_admits_exactly_n_and_none_ever_waits(sessions, rows):
+    """dreamzero_runtime_config's promise: N sessions are admitted, the N+1th is refused (state unchanged), and
+    the N run their loops interleaved through window resets without any commit waiting for a block."""
+    rt = PagedKVRuntime(dreamzero_runtime_config(LOOP_CFG, sessions=sessions, rows=rows))
+    sids = [f"s{i}" for i in range(sessions)]
+    for sid in sids:
+        rt.admit(sid, LOOP_SPEC, rows=rows)
+    before = rt.state()
+    with pytest.raises(CapacityError, match="free to reserve"):
+        rt.admit("extra", LOOP_SPEC, rows=rows)
+    assert rt.state() == before
+    interleave(rt.scheduler, sids, 16)  # two reset cycles each
+    rt.reset(sids[0])  # a reset keeps the reservation: still no room
+    with pytest.raises(CapacityError, match="free to reserve"):
+        rt.admit("extra", LOOP_SPEC, rows=rows)
+
+
+def test_forks_reserve_their_future_commits_and_evictions_free_reservations():
+    """A fork shares its parent's history but commits into blocks of its own: it reserves a session's need. In
+    a pool for two sessions, one fork fits and a second is refused (state unchanged) until the first ends; parent
+    and fork then run their loops interleaved without waiting. An LRU eviction frees the victim's reservation."""
+    rt = PagedKVRuntime(dreamzero_runtime_config(LOOP_CFG, sessions=2))
+    rt.admit("a", LOOP_SPEC)
+    loop = loop_steps(rt.scheduler, "a", LOOP_SPEC)
+    for _ in range(3):  # denoise, commit, denoise: history shared from here
+        next(loop)
+    rt.fork("a", "b")
+    before = rt.state()
+    with pytest.raises(CapacityError, match=r"forking 'a' into 'c' reserves 8 blocks per layer .* only 0 of the "
+                                            r"pool's 16 are free to reserve"):
+        rt.fork("a", "c")
+    assert rt.state() == before
+    with pytest.raises(CapacityError, match="free to reserve"):
+        rt.admit("c", LOOP_SPEC)
+    rt.release("b")
+    rt.fork("a", "c")
+    fork_loop = loop_steps(rt.scheduler, "c", LOOP_SPEC, start=4, previous=True)  # where its parent is: commit next
+    for _ in range(16):
+        next(loop)
+        next(fork_loop)
+
+    lru = PagedKVRuntime(dreamzero_runtime_config(LOOP_CFG, sessions=1), max_sessions=1)
+    lru.admit("old", LOOP_SPEC)
+    lru.admit("new", LOOP_SPEC)  # evicts "old": its reservation is freed, so "new" fits
+    assert lru.scheduler.finished["old"].startswith("evicted")
+    interleave(lru.scheduler, ["new"], 10)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import CountingBackend, compile_blocks
 
-from paged_kv_compile import RequestError, families
+from paged_kv_compile import PagedKVConfig, RequestError, families
 from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.runtime import PagedKVRuntime
@@ -278,6 +278,9 @@ def test_fork_capacity_at_dreamzero_14b_sizes_from_the_pool_geometry():
     per_fork = 4 * cap["block_bytes_all_layers"] + 2 * 4 * cap["block_bytes_all_layers"] // 40
     assert abs(cap["per_fork_gib"] - per_fork / 2**30) < 0.01
     assert (cap["forks_fit"], cap["clones_fit"]) == (18, 1)
+    # admission reserves a session's need for each fork: 2 rows x 18 frames (the loop resets at frame 20)
+    assert abs(cap["per_fork_reserved_gib"] - (36 * cap["block_bytes_all_layers"] + 2 * 4 * cap["block_bytes_all_layers"] // 40) / 2**30) < 0.01
+    assert cap["forks_admitted"] == 2
 
 
 def test_fork_candidates_benchmark_quick(capsys):
@@ -288,3 +291,21 @@ def test_fork_candidates_benchmark_quick(capsys):
     assert [r["K"] for r in out["timing"]] == [1, 2] and all(r["ratio"] > 0 for r in out["timing"])
     assert out["bytes"]["fork_bytes_copied"] == 0 and out["bytes"]["fork_blocks_taken"] == 0
     assert out["bytes"]["dense_clone_bytes"] > 0
+    assert 0 < out["bytes"]["fork_metadata_bytes"] < out["bytes"]["dense_clone_bytes"]
+
+
+def test_fork_host_bytes_are_measured_and_grow_with_the_shared_history():
+    """Issue 23, defect 8: fork_metadata_bytes was the constant 0. It is measured now (tracemalloc): a fork keeps
+    its Owner and one list of block ids per row on the host, so a parent with more history costs more per fork."""
+    fc = _benchmark()
+    spec = DreamZeroSpec(frame_seqlen=4, chunk_frames=1, window_frames=64, action_tokens=2)
+    per_fork = {}
+    for commits in (1, 40):
+        rt = PagedKVRuntime(PagedKVConfig(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4,
+                                          blocks_per_layer=1000, max_rows=2, scratch_tokens_per_row=8))
+        rt.admit("p", spec, rows=2)
+        for _ in range(commits):
+            rt.scheduler.finish_forward(rt.scheduler.plan("p", "commit"))
+        per_fork[commits] = fc.fork_host_bytes(rt, "p", [f"c{i}" for i in range(4)])
+    assert 0 < per_fork[1] < per_fork[40]
+    assert per_fork[40] - per_fork[1] >= 39 * 8  # the 39 extra blocks of a row cost at least a reference each

@@ -60,3 +60,42 @@ def test_a_graph_compiled_for_an_fp32_pool_is_refused_on_an_fp8_pool_of_the_same
         with rt2.forward("s", "denoise"):
             model.blocks[0](*inputs)
     assert torch.equal(rt2.pool.tensor.view(torch.uint8), before)
+
+
+@pytest.mark.parametrize("allocator", ["builtin", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_set_scales_is_refused_while_any_block_holds_quantized_data(allocator):
+    """Issue 23, defect 4: scales set after a session's shared regions were quantized at admission were accepted,
+    and attention read those regions about 100x off. Refused now while any block is held (regions, history,
+    prefixes), naming the fix, with the scales and the pool unchanged; accepted again once every owner is gone."""
+    from paged_kv_compile import ConfigError
+    from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
+    from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config
+    from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
+    from paged_kv_compile.models.dreamzero import DreamZeroConfig
+    from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config
+    from paged_kv_compile.runtime import PagedKVRuntime
+
+    fp8 = torch.float8_e4m3fn
+    cfg = DreamZeroConfig(num_layers=2, frame_seqlen=4, num_frame_per_block=1, local_attn_size=3, text_len=6)
+    rt = PagedKVRuntime(dreamzero_runtime_config(cfg, cross_regions=2, kernel="reference", kv_dtype=fp8),
+                        allocator=allocator)
+    rt.pool.set_scales(0.5, 0.25)  # nothing held yet: fine
+    kv = [torch.randn(2, 2, cfg.text_len, cfg.num_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    rt.admit("s", DreamZeroSpec.from_model_config(cfg), cross_kv=kv)
+    scales, pool = rt.pool.scales.clone(), rt.pool.tensor.view(torch.uint8).clone()
+    state = rt.state()
+    with pytest.raises(ConfigError, match=r"set_scales while 4 blocks per layer are held.*quantized with the current "
+                                          r"scales.*Set the scales before admitting any session or request"):
+        rt.pool.set_scales(0.005, 0.0025)
+    assert torch.equal(rt.pool.scales, scales) and torch.equal(rt.pool.tensor.view(torch.uint8), pool)
+    assert rt.state() == state
+    rt.release("s")
+    rt.pool.set_scales(0.005, 0.0025)  # every block free again
+
+    hcfg = HunyuanImage3Config()
+    hy = PagedKVRuntime(hunyuan_runtime_config(hcfg, max_prefix=8, kv_dtype=fp8), allocator=allocator)
+    hy.admit("r", HunyuanSpec((5,), hcfg.target_len))  # its prompt prefix is held from admission
+    with pytest.raises(ConfigError, match="set_scales while 1 blocks per layer are held"):
+        hy.pool.set_scales(2.0, 2.0)
+    hy.release("r")
+    hy.pool.set_scales(2.0, 2.0)

@@ -223,3 +223,64 @@ def test_a_step_mask_that_disagrees_with_the_prefill_is_refused_once_per_request
 def test_check_mask_catches_a_step_mask_the_runtime_was_not_given():
     with pytest.raises(RequestError, match="check_mask: row 1's dense mask disagrees"):
         dense_and_paged("right", True, runtime_step_mask=False, model_step_mask=_hide_first_prompt_token)
+
+
+def test_a_step_mask_is_checked_again_after_a_re_prefill():
+    """Issue 23, suspected (b), confirmed: the step mask is checked once per request (`step_mask_checked`), and
+    the flag survived a re-prefill with another mask. A step mask written for the first prefill's layout (padding
+    in the middle) then passed unchecked after a re-prefill that moved the padding to the left, and the steps
+    attended with a layout the model's mask disagrees with. A prefill now clears the flag."""
+    spec = HunyuanSpec((3, 5), 4, ((1, 3),))
+    capacity = 6
+    middle = spec.padded_mask(capacity)  # [prompt | pad | target]
+    S = capacity + spec.target_len
+    left = torch.zeros_like(middle)  # [pad | prompt | target]: the same spec, other dense columns
+    for r, p in enumerate(spec.prefix_lens):
+        order = torch.cat([torch.arange(p, capacity), torch.arange(p), torch.arange(capacity, S)])
+        left[r, 0] = middle[r, 0][order][:, order]
+    rt = PagedKVRuntime(hunyuan_runtime_config(CFG, max_prefix=capacity, block_size=4))
+    sched = rt.scheduler
+    rt.admit("r", spec)
+
+    def run(phase, mask):
+        sched.finish_forward(sched.plan("r", phase, prefix_capacity=capacity, attention_mask=mask))
+
+    run("prefill", middle)
+    run("step", middle[:, :, capacity:])  # checked against the middle layout: agrees
+    run("prefill", left)
+    before = rt.state()
+    with pytest.raises(RequestError, match="row 0: the step's mask disagrees with the layout read at the prefill"):
+        run("step", middle[:, :, capacity:])
+    assert rt.state() == before
+    run("step", left[:, :, capacity:])
+
+
+def test_a_target_token_that_reads_as_padding_is_refused():
+    """Issue 23, suspected (c), confirmed: a token that sees only itself and that no other token sees reads as
+    padding (`layout_from_prefill_mask`), and padding gets no output. Inside the target span such a token was
+    accepted: with a causal tail token after the target, the kept count and every visible end still matched
+    the spec, the prefill gave the token zeros where dense attention gives its value (2.24 off), and the steps
+    would have fed it at another token's position. The mask alone cannot tell padding from such a token; the
+    spec says the target is T consecutive tokens, so a padding-looking token inside it is refused."""
+    from paged_kv_compile.layout import layout_from_prefill_mask
+
+    p, T = 3, 4
+    S = p + T + 1  # [prompt | t0 x t2 t3 | tail]
+    x = p + 1
+    mask = torch.ones(S, S, dtype=torch.bool).tril()
+    mask[x, :] = mask[:, x] = False
+    mask[x, x] = True
+    assert layout_from_prefill_mask(mask).positions[x] == -1  # read as padding: the reader's rule stands
+    rt = PagedKVRuntime(hunyuan_runtime_config(CFG, max_prefix=8, block_size=4))
+    rt.admit("r", HunyuanSpec((p,), T))
+    before = rt.state()
+    with pytest.raises(RequestError, match=r"row 0: dense token 4 lies inside the target span \(dense tokens 3..7\) "
+                                           r"but reads as padding"):
+        rt.scheduler.plan("r", "prefill", prefix_capacity=p, attention_mask=mask[None, None])
+    assert rt.state() == before
+    # the same token as padding between the prompt and the target (the reference model's layout) pages as before
+    middle = torch.ones(S, S, dtype=torch.bool).tril()
+    middle[p, :] = middle[:, p] = False
+    middle[p, p] = True
+    rt.scheduler.finish_forward(rt.scheduler.plan("r", "prefill", prefix_capacity=p + 1,
+                                                          attention_mask=middle[None, None]))

@@ -113,7 +113,18 @@ def _stale_plan(rt):
 
 
 def _fill_pool(w):
-    w.rt.admit("hog", HunyuanSpec((B * w.rt.scheduler.allocator.num_free,), 4))
+    """Another user of a shared allocator (vLLM's BlockPool) takes every free block: reservations (issue 23,
+    defect 5) keep this runtime's own owners from ever doing so."""
+    w.rt.scheduler.allocator.allocate(w.rt.scheduler.allocator.num_free)
+
+
+def _reserve_all(w):
+    """Admit sessions until the next would not fit beside the reservations of the live owners."""
+    for i in range(w.rt.pool.blocks_per_layer):
+        try:
+            w.rt.admit(f"filler{i}", DZ, rows=1)
+        except CapacityError:
+            return
 
 
 # (id, call(world), error type, message pattern, setup(world) run before the "before" snapshot or None)
@@ -180,13 +191,17 @@ CASES = [
         "wide", DreamZeroSpec(frame_seqlen=4, chunk_frames=4, window_frames=5, action_tokens=8)), ConfigError,
      r"a forward needs 6 scratch blocks per row but the pool has 5; raise scratch_tokens_per_row", None),
     ("session: reusing an aborted id", lambda w: w.rt.admit("gone", DZ), RequestError,
-     r"id 'gone' was already used and is aborted; ids are single-use: pick a new one", None),
+     r"id 'gone' was already used and is aborted; pick a new id \(the last 4096 finished ids are refused", None),
     ("session: forward of an aborted session", lambda w: w.rt.forward("gone", "denoise"), RequestError,
      r"id 'gone' is aborted; admit a new one to continue", None),
     ("session: a DreamZero kind on a request id", lambda w: w.rt.forward("req", "commit"), RequestError,
      r"unknown phase 'commit'; use 'prefill' or 'step'", None),
     ("session: commit with the pool full", lambda w: w.rt.forward("live", "commit"), CapacityError,
      r"needs 2 free blocks per layer, 0 are free; retry after other requests finish", _fill_pool),
+    ("session: admission beyond the reservations", lambda w: w.rt.admit("extra", DZ, rows=1), CapacityError,
+     r"admitting 'extra' reserves \d+ blocks per layer \(the most it holds up to its reset.*free to reserve", _reserve_all),
+    ("session: fork beyond the reservations", lambda w: w.rt.fork("live", "kid"), CapacityError,
+     r"forking 'live' into 'kid' reserves \d+ blocks per layer .*free to reserve", _reserve_all),
     ("session: planning while another forward is in flight", lambda w: w.rt.scheduler.plan(
         "req", "step", prefix_capacity=8), RequestError,
      r"a forward for 'live' is still in flight; finish or abort it before changing state", _plan_live),

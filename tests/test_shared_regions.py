@@ -80,7 +80,7 @@ def expected(seed: int) -> torch.Tensor:
 # ---- sharing and isolation ------------------------------------------------------------------------------
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_shared_region_same_tenant_same_content_is_written_once(allocator, monkeypatch):
-    rt = make_runtime(allocator)
+    rt = make_runtime(allocator, sessions=7)  # each session reserves its window (issue 23, defect 5)
     writes = []
     original = type(rt.pool).write_region
     monkeypatch.setattr(type(rt.pool), "write_region", lambda self, b, s: (writes.append(list(b)), original(self, b, s)))
@@ -129,6 +129,25 @@ def test_shared_region_two_tenants_with_the_same_prompt_share_nothing(allocator)
 
 
 @pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_shared_region_unsalted_sessions_share_nothing_with_the_empty_salt(allocator):
+    """Issue 23, defect 7: no salt (None) and the salt "" hashed alike, so an unsalted session shared its regions
+    with a tenant whose salt is "" (or b""). None is now a namespace of its own; "" and b"" are one salt (a str
+    salt is its UTF-8 bytes), and unsalted sessions still share with each other."""
+    rt = make_runtime(allocator)
+    for sid, salt in (("anon", None), ("empty", ""), ("empty-bytes", b""), ("anon-2", None)):
+        rt.admit(sid, SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt=salt)
+    assert region_blocks(rt, "anon") == region_blocks(rt, "anon-2")
+    assert region_blocks(rt, "empty") == region_blocks(rt, "empty-bytes")
+    anon = {b for r in region_blocks(rt, "anon") for b in r}
+    assert not anon & {b for r in region_blocks(rt, "empty") for b in r}
+    row = expected(PROMPT)
+    assert region_digest(None, row) != region_digest("", row) == region_digest(b"", row)
+    assert region_digest(None, row, b"k") != region_digest("", row, b"k")
+    assert len({region_digest(salt, row) for salt in (None, "", "none", b"none", "salt:", "\x00")}) == 5  # "none" = b"none"
+    assert_refcounts_exact(rt)
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_shared_region_forged_key_gets_its_own_blocks_and_reads_its_own_values(allocator):
     rt = make_runtime(allocator)
     rt.admit("victim", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t", content_keys=["p", "n"])
@@ -170,7 +189,7 @@ def test_shared_region_release_in_any_order_frees_only_blocks_nobody_holds(alloc
 
 # ---- refusals and the write guard ---------------------------------------------------------------------
 def test_shared_region_refusals_name_the_fix_and_change_nothing():
-    rt = make_runtime(blocks_per_layer=7)  # a session's window (6) fits; its 2 regions take 4 of the 7
+    rt = make_runtime(blocks_per_layer=16)  # a session reserves its window (6); its 2 regions take 4 of the 16
     rt.admit("live", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")
     good = cross_kv(OTHER, NEGATIVE)
     cases = [
@@ -185,8 +204,9 @@ def test_shared_region_refusals_name_the_fix_and_change_nothing():
         (dict(cross_kv=good, content_keys=["p", ""]), ConfigError, r"content_keys\[1\] must be a non-empty"),
         (dict(cross_kv=good, cache_salt=7), ConfigError, "cache_salt must be a str or bytes"),
         (dict(cache_salt="t"), ConfigError, "pass them with cross_kv"),
-        # 3 blocks are free: two new regions (4 blocks) do not fit; nothing is taken
-        (dict(cross_kv=cross_kv(OTHER, OTHER + 5), cache_salt="t"), CapacityError, "free blocks per layer"),
+        # 6 blocks are free to reserve: a window and two new regions (10 blocks) do not fit; nothing is taken
+        (dict(cross_kv=cross_kv(OTHER, OTHER + 5), cache_salt="t"), CapacityError,
+         r"reserves 10 blocks per layer .* only 6 of the pool's 16 are free to reserve"),
     ]
     for kwargs, exc, match in cases:
         before = rt.state()
@@ -264,13 +284,13 @@ def test_shared_region_admission_checks_capacity_before_evicting():
     """Regions take blocks at admission. With the LRU cap reached, a session that cannot fit is refused before
     anyone is evicted, and one that fits only with the evicted session's blocks does not share a region that the
     eviction ends (it writes its own)."""
-    rt = PagedKVRuntime(dreamzero_runtime_config(CFG, kernel="reference", blocks_per_layer=9), max_sessions=1)
-    rt.admit("old", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # 4 of 9 blocks
+    rt = PagedKVRuntime(dreamzero_runtime_config(CFG, kernel="reference", blocks_per_layer=10), max_sessions=1)
+    rt.admit("old", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # 4 of 10 blocks (+6 reserved)
     with rt.forward("old", "commit"):
-        pass  # + 2 history blocks: 3 free
-    huge = [torch.cat([t] * 4, dim=2)[:, :, :20] for t in cross_kv(3, 4)]  # 20 tokens: 5 blocks per row
+        pass  # + 2 history blocks: 4 free
+    huge = [torch.cat([t] * 4, dim=2)[:, :, :24] for t in cross_kv(3, 4)]  # 24 tokens: 6 blocks per row
     before = rt.state()
-    with pytest.raises(CapacityError, match="needs 10 free blocks per layer .* it can never fit"):
+    with pytest.raises(CapacityError, match="needs 12 free blocks per layer .* it can never fit"):
         rt.admit("huge", SPEC, cross_kv=huge, cache_salt="t")
     assert rt.state() == before  # "old" was not evicted
     rt.admit("new", SPEC, cross_kv=cross_kv(PROMPT, NEGATIVE), cache_salt="t")  # evicts "old", 4 new blocks

@@ -56,6 +56,12 @@ class Owner:
     phases_done: set[str] = field(default_factory=set)  # forward kinds that finished (e.g. "prefill")
     state: dict[str, Any] = field(default_factory=dict)  # the family's own per-owner records (e.g. a layout)
     layout_cache: tuple | None = None  # (key, value) of the last repeatable plan's layouts (`reuse_layouts`)
+    #: unique for the runtime's life (an admission counter, never reused, unlike ids): cache keys name the owner
+    #: by it, so a key can never match another owner's build (issue 23: an id reused after the finished-id memory
+    #: was served its predecessor's metadata)
+    serial: int = -1
+    #: managed blocks per layer admission reserved for it: the most it holds at once up to its reset (`reserve`)
+    reserved: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -186,6 +192,12 @@ class Family(abc.ABC):
     def check_expectation(self, expect: Expectation, owner: Owner, plan: ForwardPlan) -> None:
         """Raise RequestError when a compiled site's expectation disagrees with the owner's spec or the plan.
         Called only for sites of an idiom this family accepts."""
+
+    def reserve(self, spec: Any, rows: int, blocks: BlockSource) -> int:
+        """The most managed blocks per layer an owner of `spec` holds at once up to its reset (commits included):
+        admission reserves it (`Scheduler._check_reserved`), so an admitted owner never waits for blocks another
+        holds. Default 0: the owner reserves just what `admission_blocks` takes."""
+        return 0
 
     def fork_state(self, owner: Owner, blocks: BlockSource) -> dict[str, Any]:
         """The child's `Owner.state` for a fork of `owner`, or RequestError when it cannot be forked now.

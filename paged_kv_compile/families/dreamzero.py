@@ -127,7 +127,8 @@ def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessio
     content, e.g. 2 for one prompt's conditional and negative rows however many sessions share them).
 
     Each row gets `session_blocks_per_row` blocks (the most its loop ever holds, e.g. 18 of a 21-frame window
-    when the loop resets at frame 20), so a pool built here admits exactly `sessions` sessions."""
+    when the loop resets at frame 20), which admission reserves (`reserve`), so a pool built here admits exactly
+    `sessions` sessions of `rows` rows, a fork counting as one, and none of them ever waits for a block."""
     block_size = block_size or model_cfg.frame_seqlen
     tokens_per_row = model_cfg.max_attention_size  # admission refuses a block that does not divide a frame
     if model_cfg.frame_seqlen % block_size == 0:
@@ -214,7 +215,12 @@ class DreamZeroFamily(Family):
                 f"pool has {blocks.num_blocks}: it can never fit; raise the pool budget"
             )
         blocks.check_scratch(ceil_div(spec.tokens_per_forward, B))
-        return [0] * rows  # history blocks are taken by commits
+        return [0] * rows  # history blocks are taken by commits, from the reservation (`reserve`)
+
+    def reserve(self, spec: DreamZeroSpec, rows: int, blocks: BlockSource) -> int:
+        """What the session's commits take up to its reset: admission reserves it (issue 23: with nothing
+        reserved, sessions admitted into a pool sized for one each committed once and then all waited forever)."""
+        return rows * session_blocks_per_row(spec, blocks.block_size)
 
     def plan(self, owner: Owner, blocks: BlockSource, kind: str, *, branch: int | None = None,
              **args: Any) -> ForwardPlan:
@@ -252,7 +258,7 @@ class DreamZeroFamily(Family):
             for ids in taken:
                 blocks.free(ids)
             raise
-        key = (owner.owner_id, kind, owner.version, branch) if not commit else ()
+        key = (owner.serial, kind, owner.version, branch) if not commit else ()
         return ForwardPlan(owner.owner_id, kind, layouts, n + a, spec.window_tokens, new_blocks, key, keeps_kv=commit,
                            phase={"chunk_tokens": n, "action_tokens": a}, owner_rows=run)
 

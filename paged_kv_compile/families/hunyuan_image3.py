@@ -209,12 +209,14 @@ class HunyuanImage3Family(Family):
 
         layouts, key_positions = make() if kind == "prefill" else reuse_layouts(
             owner, (kind, owner.version, prefix_capacity, blocks.first_scratch_row), make)
-        state = {"layouts": mask_layouts} if kind == "prefill" else {}
+        # a prefill (again: a retry, another mask) makes the next step's mask checked against its layout
+        state = {"layouts": mask_layouts, "step_mask_checked": False} if kind == "prefill" else {}
         if kind == "step" and attention_mask is not None and not owner.state.get("step_mask_checked"):
             _check_step_mask(mask_rows(attention_mask, rows), layouts, key_positions)
             state["step_mask_checked"] = True
         tokens = len(mask_layouts[0].positions) if kind == "prefill" else T
-        key = (owner.owner_id, kind, owner.version, prefix_capacity)
+        # A prefill's layout comes from its mask, which no cheap key names: it is always built (once per request).
+        key = (owner.serial, kind, owner.version, prefix_capacity) if kind == "step" else ()
         return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, [], key,
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
@@ -270,6 +272,18 @@ def _check_against_spec(r: int, ml: MaskLayout, p: int, spec: HunyuanSpec) -> No
         raise RequestError(
             f"row {r}: the prefill mask keeps {ml.kept} tokens but the request spec needs prompt {p} + target {T}: "
             "the request spec (prefix_lens, target_len) does not describe this mask"
+        )
+    # The steps feed the target's T tokens, consecutive in the dense sequence. A dense token inside the target's
+    # span that reads as padding (it sees only itself and nobody sees it) is ambiguous: a real token there gets no
+    # output (the op computes none for padding) while dense attention gives it its own value (issue 23, (c)).
+    dense = torch.nonzero((ml.positions >= p) & (ml.positions < p + T)).flatten()
+    if len(dense) and int(dense[-1] - dense[0]) != T - 1:
+        pad = int(dense[0]) + int(torch.nonzero(ml.positions[dense[0] : dense[-1]] < 0)[0])
+        raise RequestError(
+            f"row {r}: dense token {pad} lies inside the target span (dense tokens {int(dense[0])}..{int(dense[-1])}) "
+            "but reads as padding in the prefill mask (it sees only itself and no other token sees it): padding "
+            "cannot sit inside the target, and a real token that sees only itself cannot be paged (its output would "
+            "be zeros, dense gives its value); fix the mask or the request spec, or run this request densely"
         )
     want = p + spec.target_visible_end()
     got = ml.ends_by_position[p : p + T]

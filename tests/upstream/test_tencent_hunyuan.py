@@ -111,6 +111,31 @@ def test_tencent_static_cache_pages_as_written(case):
     assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer
 
 
+@pytest.mark.parametrize("case", ["cfg-rows-2d", "one-row-1d"])
+def test_static_cache_sites_warm_up_then_serve(case):
+    """Issue 23, suspected (a), confirmed: the warm-up forward (`runtime.warmup_forward`, what `warm_up` and
+    CUDA-graph capture run) has a plan of no rows, and the per-row position check (`backend._check_write_positions`)
+    refused it ("a static-cache write for row 0 but the forward has 0 rows") for the pipeline's 2-D position_ids.
+    The warm-up writes nothing (every slot -1) and now runs; the request then serves exactly, checks included."""
+    from paged_kv_compile.config import Bucket
+
+    lens, one_d = ((6, 3), False) if case == "cfg-rows-2d" else ((5,), True)
+    req = _request(lens)
+    dense = _run(_layers(), th.HunyuanStaticCache.zeros(CFG, LAYERS, len(lens), req["S"]), req, one_d=one_d)
+    with torch.compiler.config.patch(dynamic_sources=LAYER_IDX_SOURCE):
+        layers, rt, backend, cache, around = _paged(req)
+        before = rt.pool.tensor.clone()
+        for tokens, forwards in ((req["S"], slice(0, 1)), (req["T"], slice(1, 2))):  # prefill and step buckets
+            with rt.warmup_forward(Bucket(len(lens), tokens, req["S"])):
+                _run(layers, cache, req, one_d=one_d, forwards=forwards)
+        assert torch.equal(rt.pool.tensor, before), "a warm-up writes nothing"
+        frames = backend.frames
+        paged = _run(layers, cache, req, around, one_d=one_d)
+        assert backend.frames == frames == 2, "serving compiles nothing new"
+    assert max((a - b).abs().max().item() for a, b in zip(dense, paged)) <= 1e-5
+    rt.release("r")
+
+
 @pytest.mark.parametrize("wrong", ["shifted", "one-row-off"])
 def test_position_ids_that_disagree_with_the_layout_are_refused(wrong):
     """A step that writes its tokens anywhere but their prefill columns would make the dense cache and the
