@@ -33,12 +33,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import DZ_MID, DZ_TINY, bench_settings, interleaved, machine_info, markdown_table, summarize  # noqa: E402
-from paged_kv_compile import families  # noqa: E402
+from paged_kv_compile import CapacityError, families  # noqa: E402
+from paged_kv_compile.allocator import BuiltinAllocator  # noqa: E402
 from paged_kv_compile.families.base import ceil_div  # noqa: E402
 from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config, session_blocks_per_row  # noqa: E402
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B, DreamZeroConfig, DreamZeroModel  # noqa: E402
 from paged_kv_compile.pool import KVPool  # noqa: E402
 from paged_kv_compile.runtime import PagedKVRuntime  # noqa: E402
+from paged_kv_compile.scheduler import Scheduler  # noqa: E402
 
 GIB = 2**30
 
@@ -126,8 +128,10 @@ def capacity(cfg: DreamZeroConfig = DREAMZERO_14B, budget_gib: float = 80.0) -> 
     its 2 rows in the batched forward; the parent's window is shared (`forks_fit`). Clone: a candidate holds a
     whole dense window of both rows (`DreamZeroConfig.kv_cache_bytes`), as vllm-omni's fork does.
     Admission reserves what a session holds up to its reset, and a fork reserves as much as its parent, since
-    its own commits may come to replace the whole shared window (issue 23, defect 5): the runtime admits
-    `forks_admitted` forks next to the parent, each reserving `per_fork_reserved_gib`.
+    its own commits may come to replace the whole shared window (issue 23, defect 5): each reserving
+    `per_fork_reserved_gib`. A fork with a budget (`runtime.fork(..., commits=1)`) reserves what one commit takes.
+    `forks_admitted` / `forks_admitted_commits_1`: how many the real scheduler admits next to a parent at its
+    fullest history, counted by forking until admission refuses (`admitted_forks`).
     """
     pcfg = dreamzero_runtime_config(cfg, dtype=torch.bfloat16)
     block_all_layers = KVPool.bytes_per_block_all_layers(pcfg)
@@ -145,8 +149,33 @@ def capacity(cfg: DreamZeroConfig = DREAMZERO_14B, budget_gib: float = 80.0) -> 
         "per_clone_gib": round(per_clone / GIB, 2),
         "forks_fit": int((budget - window) // per_fork), "clones_fit": int((budget - window) // per_clone),
         "per_fork_reserved_gib": round((reserved + scratch) / GIB, 2),
-        "forks_admitted": int((budget - reserved) // (reserved + scratch)), "budget_gib": budget_gib,
+        "forks_admitted": admitted_forks(cfg, budget_gib, commits=None),
+        "forks_admitted_commits_1": admitted_forks(cfg, budget_gib, commits=1), "budget_gib": budget_gib,
     }
+
+
+def admitted_forks(cfg: DreamZeroConfig, budget_gib: float, *, commits: int | None, limit: int = 256) -> int:
+    """Forks the scheduler admits next to one session of `cfg` in a pool of `budget_gib` (bf16, on the "meta"
+    device: no memory), the parent at its fullest history (every commit of its window cycle done), each fork made
+    with `commits` (None: no budget). Counted by forking until admission refuses."""
+    pcfg = dreamzero_runtime_config(cfg, dtype=torch.bfloat16, budget_bytes=int(budget_gib * GIB), device="meta",
+                                    blocks_per_layer=None)
+    sched = Scheduler(KVPool.from_config(pcfg), BuiltinAllocator(KVPool.from_config(pcfg).blocks_per_layer),
+                      max_rows=2)
+    spec = DreamZeroSpec.from_model_config(cfg)
+    sched.admit("parent", spec, rows=2)
+    frame = 0
+    while spec.reset_frames is None or frame + spec.chunk_frames < spec.reset_frames:
+        sched.finish_forward(sched.plan("parent", "commit"))
+        frame += spec.chunk_frames
+        if spec.reset_frames is None and frame >= spec.window_frames:
+            break
+    for k in range(limit):
+        try:
+            sched.fork("parent", f"fork{k}", commits=commits)
+        except CapacityError:
+            return k
+    return limit
 
 
 REGION_NS = (1, 2, 4, 8)
@@ -233,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
           f"per candidate: fork {cap['per_fork_gib']} GiB, clone {cap['per_clone_gib']} GiB; next to the parent in "
           f"{cap['budget_gib']:.0f} GiB: {cap['forks_fit']} forks vs {cap['clones_fit']} clones; admission reserves "
           f"{cap['per_fork_reserved_gib']} GiB per fork (its commits up to its reset): {cap['forks_admitted']} forks "
-          "admitted")
+          f"admitted; forks with a budget of one commit (runtime.fork(..., commits=1)): "
+          f"{cap['forks_admitted_commits_1']} admitted")
     return 0
 
 

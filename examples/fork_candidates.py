@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
         start = time.perf_counter()
         for k in range(K):
-            runtime.fork("world", f"batched{k}")
-            runtime.fork("world", f"alone{k}")
+            runtime.fork("world", f"batched{k}", commits=1)  # a candidate commits once: it reserves one commit
+            runtime.fork("world", f"alone{k}", commits=1)
         fork_s = time.perf_counter() - start
         copied = 0 if torch.equal(runtime.pool.tensor, pool_before) else runtime.pool.nbytes
         taken = free_before - runtime.scheduler.allocator.num_free

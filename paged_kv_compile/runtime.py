@@ -299,15 +299,16 @@ class PagedKVRuntime:
         """End a session/request normally: every block it alone holds returns to the pool; the id is used up."""
         self.scheduler.release(owner_id)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: str, child_id: str, **args: Any) -> None:
         """A zero-copy fork of an owner between forwards, where its family allows it (`Family.fork_state`, e.g.
-        at a chunk boundary): the child shares every history block by reference count, so no KV is copied; its next commits
-        go to its own blocks (`Scheduler.fork`)."""
+        at a chunk boundary): the child shares every history block by reference count, so no KV is copied; its
+        next commits go to its own blocks (`Scheduler.fork`). args: the family's, e.g. a budget (DreamZero:
+        `commits=n`, a fork that reserves only what n commits take)."""
         if self.active is not None:
             raise RequestError(
                 f"cannot fork {parent_id!r} while a forward is active; fork between forwards (after the with block)"
             )
-        self.scheduler.fork(parent_id, child_id)
+        self.scheduler.fork(parent_id, child_id, **args)
 
     def abort(self, owner_id: str) -> None:
         """End a session/request at any point between forwards: every block it alone holds returns to the pool."""

@@ -36,12 +36,14 @@ def row_written_blocks(row: RowLayout, block_size: int) -> list[int]:
     return table[hit & managed].tolist()
 
 
-class _ScratchRowsFrom:
-    """The scheduler as a family's `BlockSource`, with the forward's rows starting at `first_row`: a part of a
-    batched forward plans its rows 0.. as if alone and gets the scratch of rows first_row.. ."""
+class _PlanningFor:
+    """The scheduler as the `BlockSource` one owner's family plans with when the plan needs more than the scheduler:
+    a part of a batched forward plans its rows 0.. as if alone and gets the scratch of rows first_row..; a fork
+    with a budget (`Owner.take_budget`) may not take more blocks than the budget has left."""
 
-    def __init__(self, scheduler: "Scheduler", first_row: int) -> None:
+    def __init__(self, scheduler: "Scheduler", owner: Owner, first_row: int) -> None:
         self._scheduler = scheduler
+        self._owner = owner
         self._first = first_row
 
     def __getattr__(self, name: str) -> Any:
@@ -50,6 +52,15 @@ class _ScratchRowsFrom:
     @property
     def first_scratch_row(self) -> int:
         return self._first
+
+    def allocate_rows(self, counts: list[int]) -> list[list[int]]:
+        budget = self._owner.take_budget
+        if budget is not None and sum(counts) > budget:
+            raise RequestError(
+                f"this forward would take {sum(counts)} blocks per layer for {self._owner.owner_id!r}, a fork with a "
+                f"budget of {budget} more: release it, or fork with a larger budget. Nothing was planned"
+            )
+        return self._scheduler.allocate_rows(counts)
 
     def scratch(self, row: int, first_logical_block: int, last_logical_block: int) -> list[int]:
         row += self._first
@@ -122,7 +133,7 @@ class Scheduler:
         if blocks:
             self.allocator.free(blocks)
 
-    #: a forward planned directly starts at row 0 (a batched forward's later parts: `_ScratchRowsFrom`)
+    #: a forward planned directly starts at row 0 (a batched forward's later parts: `_PlanningFor`)
     first_scratch_row = 0
 
     def scratch(self, row: int, first_logical_block: int, last_logical_block: int) -> list[int]:
@@ -181,28 +192,56 @@ class Scheduler:
                 f"a forward for {self.in_flight.owner_id!r} is still in flight; finish or abort it before changing state"
             )
 
-    def _reserved(self, without: Owner | None = None) -> int:
-        """Blocks per layer promised to live owners (each owner's reservation, `Owner.reserved`) plus the blocks of
-        live shared regions; `without`: as if that owner were released (an LRU eviction)."""
-        total = sum(o.reserved for o in self.owners.values() if o is not without)
+    def _committed(self, without: Owner | None = None, shared: Owner | None = None,
+                   new: tuple[int, int] = (0, 0)) -> int:
+        """Blocks per layer the pool may have to hold at once for the live owners and regions, whatever they do
+        next (forwards take blocks only within the owners' reservations and budgets). `without`: as if that owner
+        were released (an LRU eviction); `shared`: as if every block of that owner were shared (it is being forked);
+        `new`: (reservation, growth) of an owner about to join.
+
+        The smaller of two upper bounds, both always valid:
+        - the sum of the reservations and the region blocks: each owner holds at most its reservation (a fork
+          reserves its parent's: it may come to hold a window of its own), a shared block counted once;
+        - what is held now plus what each owner may still add: a fork with a budget takes at most its budget; any
+          other owner at most its reservation beyond the blocks it alone holds (a block it shares stays held by the
+          others even if it drops it). This one is what lets K forks that commit once fit beside their parent.
+        """
+        owners = [o for o in self.owners.values() if o is not without]
         ending = self.regions.ending_with(without.owner_id) if without is not None else set()
         freed = {b for r in self.regions.of(without.owner_id) if id(r) in ending for b in r.blocks} if ending else ()
-        return total + len(self.regions.blocks) - len(freed)
+        reservations = sum(o.reserved for o in owners) + len(self.regions.blocks) - len(freed) + new[0]
+        used = self.allocator.num_blocks - self.allocator.num_free - (self._freed_by(without) if without else 0)
+        growth = sum(o.take_budget if o.take_budget is not None else
+                     max(o.reserved - (0 if o is shared else self._alone_held(o)), 0) for o in owners) + new[1]
+        return min(reservations, used + growth)
 
-    def _check_reserved(self, what: str, need: int, victim: Owner | None) -> None:
-        """Refuse an admission or fork whose reservation `need` does not fit beside every other one.
+    def _alone_held(self, owner: Owner) -> int:
+        """Managed blocks of `owner`'s rows that no other holder shares (refcount equals its own holds)."""
+        mine: dict[int, int] = {}
+        for row in owner.rows:
+            for b in row:
+                mine[b] = mine.get(b, 0) + 1
+        return sum(1 for b, n in mine.items() if self.allocator.refcount(b) == n)
 
-        Each owner holds at most its reservation and a shared block is counted once, so the blocks in use never
-        exceed the reserved total: while it fits in the pool, no admitted owner ever waits for a block (issue 23:
-        unreserved sessions all committed once, then every commit failed for good)."""
-        reserved, pool = self._reserved(victim), self.allocator.num_blocks
-        if reserved + need > pool:
+    def _check_reserved(self, what: str, need: int, victim: Owner | None, *, shared: Owner | None = None,
+                        budget: int | None = None) -> None:
+        """Refuse an admission or fork of reservation `need` (a fork: its parent's; `budget`: what a fork with a
+        budget may take) that does not fit beside what the live owners may hold (`_committed`; `shared`: the owner
+        being forked).
+
+        While the committed total fits in the pool, no admitted owner ever waits for a block (issue 23: unreserved
+        sessions all committed once, then every commit failed for good)."""
+        pool = self.allocator.num_blocks
+        takes = need if budget is None else budget
+        committed = self._committed(victim, shared, (need, takes))
+        if committed > pool:
+            before = committed - takes  # what the others may hold beside it (with a fork: its parent's blocks shared)
             raise CapacityError(
-                f"{what} reserves {need} blocks per layer (the most it holds up to its reset, and its new shared "
-                f"regions) but only {pool - reserved} of the pool's {pool} are free to reserve (live sessions, "
-                f"requests and regions reserve {reserved}"
+                f"{what} reserves {takes} blocks per layer (the most it takes up to its reset, and its new shared "
+                f"regions) but only {max(pool - before, 0)} of the pool's {pool} are free to reserve (live "
+                f"sessions, requests and regions may hold {before}"
                 + (" even after evicting the least recently used session)" if victim is not None else ")")
-                + (": it can never fit; raise the pool budget" if need > pool else
+                + (": it can never fit; raise the pool budget" if takes > pool else
                    ": retry after another one ends, or raise the pool budget (the family's runtime config reserves "
                    "room for exactly N owners: sessions=N, requests=N)"))
 
@@ -312,22 +351,26 @@ class Scheduler:
         self.sharing.discard(owner_id)
         families.get(owner.family).history_dropped(owner)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: str, child_id: str, **args: Any) -> None:
         """A new owner `child_id` that shares every block of `parent_id` by reference count (no KV is copied).
 
         Between forwards only, and only where the parent's family allows it now (`Family.fork_state`, e.g. a
         session at a chunk boundary). Parent and child then go their own ways: each next commit writes
         blocks its owner takes for itself, and a block returns to the pool when its last holder frees it.
+        The child reserves what its parent does, or, with a budget (`args`, e.g. DreamZero's `commits=n`:
+        `Family.fork_budget`), just the blocks it may take; a plan beyond the budget is refused.
         """
         self._check_idle()
         parent = self._get(parent_id)
         fam = families.get(parent.family)
-        state = fam.fork_state(parent, self)
+        state = fam.fork_state(parent, self, **args)
+        budget = fam.fork_budget(parent, self, **args)
         self._check_new_id(child_id)
         shared = [b for row in parent.rows for b in row]
         victim = self._lru_victim(fam, sparing=parent_id)
-        # The child's own commits need what the parent's do: it reserves as much (history is shared until then).
-        self._check_reserved(f"forking {parent_id!r} into {child_id!r}", parent.reserved, victim)
+        # Without a budget the child's own commits need what the parent's do (history is shared until then).
+        self._check_reserved(f"forking {parent_id!r} into {child_id!r}", parent.reserved, victim, shared=parent,
+                             budget=budget)
         if victim is not None:
             self._release(victim, "evicted (LRU cap on live sessions)")
         self.allocator.share(shared)
@@ -335,7 +378,7 @@ class Scheduler:
         self.sharing.update((parent_id, child_id))
         self.owners[child_id] = Owner(child_id, parent.family, parent.spec, [list(r) for r in parent.rows],
                                       phases_done=set(parent.phases_done), state=state, serial=next(self._serials),
-                                      reserved=parent.reserved)
+                                      reserved=parent.reserved, take_budget=budget)
 
     def release(self, owner_id: str) -> None:
         """End a session/request normally; all its blocks are freed."""
@@ -352,14 +395,7 @@ class Scheduler:
         """Plan one forward of `kind` for an owner; its family lays out the rows. It is then in flight."""
         self._check_idle()
         owner = self._get(owner_id)
-        plan = families.get(owner.family).plan(owner, self, kind, **args)
-        if owner_id in self.sharing or self.regions.blocks:  # 10-20 us per row on the host: only where blocks are shared
-            try:
-                self._check_writes(plan)
-            except BaseException:
-                for new in plan.new_blocks:
-                    self.free(new)
-                raise
+        plan = self._plan_part(owner, kind, args, first_row=0)
         plan.regions = self._plan_regions(plan)
         self.owners.move_to_end(owner_id)
         self.in_flight = plan
@@ -393,43 +429,35 @@ class Scheduler:
                     "Nothing was planned"
                 )
 
+    def _plan_part(self, owner: Owner, kind: str, args: dict, first_row: int) -> ForwardPlan:
+        """One owner's plan by its family, its rows starting at forward row `first_row`; checked never to write a
+        block another owner shares or a region's. A refused plan gives back what it took."""
+        source = self if first_row == 0 and owner.take_budget is None else _PlanningFor(self, owner, first_row)
+        plan = families.get(owner.family).plan(owner, source, kind, **args)
+        if owner.owner_id in self.sharing or self.regions.blocks:  # 10-20 us per row on the host: only when shared
+            try:
+                self._check_writes(plan)
+            except BaseException:
+                for new in plan.new_blocks:
+                    self.free(new)
+                raise
+        return plan
+
     def plan_batch(self, items: Sequence[tuple]) -> ForwardPlan:
         """One forward carrying the rows of several owners at the same phase; it is then in flight.
 
-        items: ``(owner_id, kind)`` or ``(owner_id, kind, info)`` per owner (info: what `plan` takes, e.g.
+        items: ``(owner_id, kind)`` or ``(owner_id, kind, args)`` per owner (args: what `plan` takes, e.g.
         ``{"branch": 0}``). Each owner is planned by its family as if alone, on the next free scratch rows;
         all must be of one family and kind with the same token count and context (one bucket of the summed
         rows). Finishing applies every owner's part; a failure rolls back every owner. All or nothing: a
         refused batch gives back what its planned parts took and changes nothing.
         """
         self._check_idle()
-        if not items:
-            raise RequestError("a batched forward needs at least one (owner_id, kind) item")
-        parsed = []
-        for item in items:
-            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
-                raise RequestError(f"batch items are (owner_id, kind) or (owner_id, kind, info), got {item!r}")
-            parsed.append((item[0], item[1], dict(item[2]) if len(item) == 3 else {}))
-        ids = [oid for oid, _, _ in parsed]
-        twice = sorted({oid for oid in ids if ids.count(oid) > 1})
-        if twice:
-            raise RequestError(f"{twice} appear more than once in one batched forward; a batch carries an owner once")
-        owners = [self._get(oid) for oid in ids]
-        if len({o.family for o in owners}) > 1 or len({kind for _, kind, _ in parsed}) > 1:
-            raise RequestError(
-                "a batched forward carries owners of one family at one phase; got "
-                + ", ".join(f"{oid!r} ({o.family} {kind})" for (oid, kind, _), o in zip(parsed, owners))
-                + ": plan the others in their own forward"
-            )
-        fam = families.get(owners[0].family)
+        parsed = self._batch_items(items)
         parts: list[ForwardPlan] = []
         try:
-            for (oid, kind, info), owner in zip(parsed, owners):
-                rows_before = sum(len(p.rows) for p in parts)
-                part = fam.plan(owner, _ScratchRowsFrom(self, rows_before), kind, **info)
-                parts.append(part)
-                if oid in self.sharing or self.regions.blocks:
-                    self._check_writes(part)
+            for owner, kind, args in parsed:
+                parts.append(self._plan_part(owner, kind, args, first_row=sum(len(p.rows) for p in parts)))
             shapes = {(p.tokens, p.context) for p in parts}
             if len(shapes) > 1:
                 raise RequestError(
@@ -442,7 +470,36 @@ class Scheduler:
                 for new in part.new_blocks:
                     self.free(new)
             raise
-        rows = [r for p in parts for r in p.rows]
+        plan = self._joined(parts)
+        for owner, _, _ in parsed:
+            self.owners.move_to_end(owner.owner_id)
+        self.in_flight = plan
+        return plan
+
+    def _batch_items(self, items: Sequence[tuple]) -> list[tuple[Owner, str, dict]]:
+        """(owner, kind, args) per batch item: distinct live owners of one family at one kind, or RequestError."""
+        if not items:
+            raise RequestError("a batched forward needs at least one (owner_id, kind) item")
+        parsed = []
+        for item in items:
+            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                raise RequestError(f"batch items are (owner_id, kind) or (owner_id, kind, args), got {item!r}")
+            parsed.append((item[0], item[1], dict(item[2]) if len(item) == 3 else {}))
+        ids = [oid for oid, _, _ in parsed]
+        twice = sorted({oid for oid in ids if ids.count(oid) > 1})
+        if twice:
+            raise RequestError(f"{twice} appear more than once in one batched forward; a batch carries an owner once")
+        owners = [self._get(oid) for oid in ids]
+        if len({o.family for o in owners}) > 1 or len({kind for _, kind, _ in parsed}) > 1:
+            raise RequestError(
+                "a batched forward carries owners of one family at one phase; got "
+                + ", ".join(f"{oid!r} ({o.family} {kind})" for (oid, kind, _), o in zip(parsed, owners))
+                + ": plan the others in their own forward"
+            )
+        return [(owner, kind, args) for owner, (_, kind, args) in zip(owners, parsed)]
+
+    def _joined(self, parts: list[ForwardPlan]) -> ForwardPlan:
+        """One forward plan over the parts' rows in order; finishing or rolling it back applies every part."""
         for part in parts:
             part.regions = self._plan_regions(part)
         regions = ([g for p in parts for g in (p.regions or [None] * len(p.rows))]
@@ -450,15 +507,11 @@ class Scheduler:
         keys = tuple(p.key for p in parts)
         positions = [k for p in parts for k in p.key_positions] if all(p.key_positions for p in parts) else None
         first = parts[0]
-        plan = ForwardPlan(
-            "+".join(ids), first.kind, rows, first.tokens, first.context, key=keys if all(keys) else (),
-            keeps_kv=any(p.keeps_kv for p in parts), phase=first.phase, key_positions=positions, parts=parts,
-            regions=regions,
+        return ForwardPlan(
+            "+".join(p.owner_id for p in parts), first.kind, [r for p in parts for r in p.rows], first.tokens,
+            first.context, key=keys if all(keys) else (), keeps_kv=any(p.keeps_kv for p in parts),
+            phase=first.phase, key_positions=positions, parts=parts, regions=regions,
         )
-        for oid in ids:
-            self.owners.move_to_end(oid)
-        self.in_flight = plan
-        return plan
 
     def finish_forward(self, plan: ForwardPlan) -> None:
         """The forward ran: each owner's family applies its part (e.g. a commit becomes history)."""
@@ -467,6 +520,8 @@ class Scheduler:
             owner = self.owners[part.owner_id]
             families.get(owner.family).finish(owner, part, self)
             owner.phases_done.add(part.kind)
+            if owner.take_budget is not None:
+                owner.take_budget -= sum(len(new) for new in part.new_blocks)
         self.in_flight = None
 
     def abort_forward(self, plan: ForwardPlan) -> None:

@@ -208,3 +208,76 @@ def test_forks_reserve_their_future_commits_and_evictions_free_reservations():
     lru.admit("new", LOOP_SPEC)  # evicts "old": its reservation is freed, so "new" fits
     assert lru.scheduler.finished["old"].startswith("evicted")
     interleave(lru.scheduler, ["new"], 10)
+
+
+# ---- forks with a budget: a candidate that commits once reserves one commit, not a session ----------------------
+def _parent_with_history(rt: PagedKVRuntime) -> None:
+    rt.admit("a", LOOP_SPEC)
+    loop = loop_steps(rt.scheduler, "a", LOOP_SPEC)
+    for _ in range(3):  # denoise, commit, denoise: "a" holds one chunk (2 blocks per row)
+        next(loop)
+
+
+def test_forks_with_a_commit_budget_reserve_their_commits_and_a_commit_beyond_is_refused():
+    """In a pool for three sessions, two full forks fit beside the parent (each reserves a session: 8 blocks);
+    forks with commits=1 reserve the 4 blocks one commit of both rows takes, so three fit, counted as: what is held
+    (the parent's 4, shared) + what the parent may still add once all its blocks are shared (8) + each budget (4).
+    Each commits once; a second commit is refused with the runtime unchanged. Released, their budgets free."""
+    rt = PagedKVRuntime(dreamzero_runtime_config(LOOP_CFG, sessions=3))
+    _parent_with_history(rt)
+    for k in range(3):
+        rt.fork("a", f"c{k}", commits=1)
+    before = rt.state()
+    with pytest.raises(CapacityError, match=r"forking 'a' into 'c3' reserves 4 blocks per layer .* only 0 of the "
+                                            r"pool's 24 are free to reserve"):
+        rt.fork("a", "c3", commits=1)
+    assert rt.state() == before
+    for k in range(3):
+        rt.scheduler.finish_forward(rt.scheduler.plan(f"c{k}", "commit"))
+    before = rt.state()
+    with pytest.raises(RequestError, match=r"would take 4 blocks per layer for 'c0', a fork with a budget of 0 more"):
+        rt.scheduler.plan("c0", "commit")
+    assert rt.state() == before
+    rt.scheduler.finish_forward(rt.scheduler.plan("c0", "denoise"))  # denoising takes nothing: still allowed
+    with pytest.raises(RequestError, match="commits=-1: a fork's commit budget is a count of chunks"):
+        rt.fork("a", "bad", commits=-1)
+    for k in range(3):
+        rt.release(f"c{k}")
+    rt.fork("a", "full")  # no budget: a session's reservation, which fits again
+    rt.admit("x", LOOP_SPEC)  # 8 + 8 + 8 of 24
+    with pytest.raises(CapacityError, match="free to reserve"):
+        rt.admit("y", LOOP_SPEC)
+
+
+WIDE = DreamZeroSpec(frame_seqlen=4, chunk_frames=2, window_frames=8, action_tokens=2, reset_frames=8)
+
+
+def test_a_fork_is_checked_as_if_its_parent_shared_every_block(monkeypatch):
+    """After a fork the parent's blocks are shared: it may drop them all (its fork keeps them) and take its whole
+    reservation anew. A window of 8 frames resetting at frame 8 holds at most 6 frames per row (12 blocks for 2
+    rows). After two commits the parent holds 8, all of which a fork would share; in a pool of 16, its 12 to come
+    and a commits=1 fork's 4 do not fit beside them, and the fork is refused. Checked as if the parent still held
+    its blocks alone, the fork was admitted, and after a window reset the parent's second commit waited for a
+    block its fork held: what the refusal prevents."""
+    def parent(sched):
+        sched.admit("a", WIDE, rows=2)
+        for _ in range(2):
+            sched.finish_forward(sched.plan("a", "commit"))
+
+    sched = meta_scheduler(WIDE, 4, 16)
+    parent(sched)
+    with pytest.raises(CapacityError, match=r"forking 'a' into 'c' reserves 4 blocks per layer .* only 0 of the "
+                                            r"pool's 16 are free to reserve"):
+        sched.fork("a", "c", commits=1)
+
+    check = Scheduler._check_reserved
+    monkeypatch.setattr(Scheduler, "_check_reserved",
+                        lambda self, what, need, victim, **kw: check(self, what, need, victim, budget=kw.get("budget")))
+    blind = meta_scheduler(WIDE, 4, 16)
+    parent(blind)
+    blind.fork("a", "c", commits=1)
+    blind.finish_forward(blind.plan("c", "commit"))
+    blind.reset("a")
+    blind.finish_forward(blind.plan("a", "commit"))
+    with pytest.raises(CapacityError, match="free blocks per layer"):
+        blind.plan("a", "commit")

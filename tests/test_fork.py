@@ -15,7 +15,8 @@ from helpers import CountingBackend, compile_blocks
 
 from paged_kv_compile import PagedKVConfig, RequestError, families
 from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
-from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
+from paged_kv_compile.models.dreamzero import DREAMZERO_14B, DreamZeroConfig, DreamZeroModel
+from paged_kv_compile.pool import KVPool
 from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
@@ -281,6 +282,12 @@ def test_fork_capacity_at_dreamzero_14b_sizes_from_the_pool_geometry():
     # admission reserves a session's need for each fork: 2 rows x 18 frames (the loop resets at frame 20)
     assert abs(cap["per_fork_reserved_gib"] - (36 * cap["block_bytes_all_layers"] + 2 * 4 * cap["block_bytes_all_layers"] // 40) / 2**30) < 0.01
     assert cap["forks_admitted"] == 2
+    # with commits=1 a fork reserves the 2 rows x 2 frames one commit takes; beside them the pool keeps the
+    # parent's 36 history blocks (shared) and the 36 it may take anew once it drops them
+    pcfg = dreamzero_runtime_config(DREAMZERO_14B, dtype=torch.bfloat16, budget_bytes=80 * 2**30, device="meta",
+                                    blocks_per_layer=None)
+    blocks = KVPool.from_config(pcfg).blocks_per_layer
+    assert cap["forks_admitted_commits_1"] == (blocks - 36 - 36) // 4 == 11
 
 
 def test_fork_candidates_benchmark_quick(capsys):

@@ -62,6 +62,9 @@ class Owner:
     serial: int = -1
     #: managed blocks per layer admission reserved for it: the most it holds at once up to its reset (`reserve`)
     reserved: int = 0
+    #: a fork with a budget (`Family.fork_budget`, e.g. DreamZero's `commits=n`): how many more managed blocks per
+    #: layer it may take; None: no budget (it holds at most `reserved`)
+    take_budget: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -199,8 +202,9 @@ class Family(abc.ABC):
         holds. Default 0: the owner reserves just what `admission_blocks` takes."""
         return 0
 
-    def fork_state(self, owner: Owner, blocks: BlockSource) -> dict[str, Any]:
-        """The child's `Owner.state` for a fork of `owner`, or RequestError when it cannot be forked now.
+    def fork_state(self, owner: Owner, blocks: BlockSource, **args: Any) -> dict[str, Any]:
+        """The child's `Owner.state` for a fork of `owner`, or RequestError when it cannot be forked now (`args`:
+        what `runtime.fork` was given beyond the ids, e.g. a budget).
 
         The child shares every block of `owner` by reference count, so the family must never write a block it
         did not take for the forward being planned (the scheduler checks this for every plan). Default: no forks.
@@ -209,6 +213,12 @@ class Family(abc.ABC):
             f"{owner.owner_id!r} is a {self.name} {self.noun}, which cannot be forked: its family does not "
             "implement fork_state"
         )
+
+    def fork_budget(self, owner: Owner, blocks: BlockSource, **args: Any) -> int | None:
+        """How many managed blocks per layer a fork of `owner` made with `args` may take in all (None: no budget;
+        the child then reserves what `owner` does). A budget lets a short-lived fork (a candidate that commits once)
+        reserve what it takes instead of a whole session's need; the scheduler refuses a plan beyond it."""
+        return None
 
     def history_dropped(self, owner: Owner) -> None:
         """The scheduler freed every block of `owner` (`reset`): forget what `owner.state` says of them."""

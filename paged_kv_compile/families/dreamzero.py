@@ -304,22 +304,35 @@ class DreamZeroFamily(Family):
         owner.version += 1
 
     # ---- forks ----------------------------------------------------------------------------------
-    def fork_state(self, owner: Owner, blocks: BlockSource) -> dict[str, Any]:
+    def fork_state(self, owner: Owner, blocks: BlockSource, *, commits: int | None = None) -> dict[str, Any]:
         """A session can be forked between forwards when every row has committed the same chunks.
 
         No copy-on-write is ever needed: admission requires block_size | frame_seqlen and every commit
         writes whole frames into blocks it takes for itself (`plan`), so every history block is full and a
         child's next commit writes only blocks it allocates. The scheduler checks that no plan writes a
-        block with more than one owner (`Scheduler._check_writes`).
+        block with more than one owner (`Scheduler._check_writes`). commits: see `fork_budget`.
         """
-        commits = list(owner.state.get("commits", [0] * owner.num_rows))
-        if len(set(commits)) > 1:
+        if commits is not None and (not isinstance(commits, int) or isinstance(commits, bool) or commits < 0):
+            raise RequestError(f"commits={commits!r}: a fork's commit budget is a count of chunks (an int >= 0), "
+                               "or None for a fork that may commit like any session")
+        done = list(owner.state.get("commits", [0] * owner.num_rows))
+        if len(set(done)) > 1:
             raise RequestError(
                 f"session {owner.owner_id!r} is not at a chunk boundary: its rows (CFG branches) have committed "
-                f"{commits} chunks since the last window reset; commit the same chunk on every branch "
+                f"{done} chunks since the last window reset; commit the same chunk on every branch "
                 "(runtime.forward(session, 'commit', branch=b)) before forking"
             )
-        return {"commits": commits}
+        return {"commits": done}
+
+    def fork_budget(self, owner: Owner, blocks: BlockSource, *, commits: int | None = None) -> int | None:
+        """With `commits=n` the fork may commit n chunks per row (a candidate that commits once, then is scored
+        and dropped): it reserves the blocks n commits of its largest phase take on every row, not a session's whole
+        need, and a commit beyond them is refused. None: no budget, the fork reserves what its parent does."""
+        if commits is None:
+            return None
+        spec: DreamZeroSpec = owner.spec
+        largest = max(spec.phase("commit", first=True)[0], spec.phase("commit")[0]) // blocks.block_size
+        return owner.num_rows * commits * largest
 
     def history_dropped(self, owner: Owner) -> None:
         owner.state.pop("commits", None)
