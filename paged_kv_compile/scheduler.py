@@ -270,19 +270,20 @@ class Scheduler:
         return live[0]
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def admit(self, owner_id: str, spec: Any, rows: int | None = None, *, cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
+    def admit(self, owner_id: str, spec: Any, rows: int | None = None, *,
+              cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
               content_keys: Sequence[str | bytes] | None = None) -> None:
         """Admit a session/request of `spec`'s family with `rows` rows (default: what the spec says).
 
         All rows or none; past `max_sessions` live owners of an LRU-evicting family, the least recently
         used one is evicted first. Admission reserves the most the owner holds up to its reset (the family's
-        `reserve`, e.g. what a session's commits take), refused unless it fits beside every live reservation: an
-        admitted owner never waits for a block another one holds (`_check_reserved`). `cross_kv` (per layer
-        `(2, rows, tokens, Hkv, D)`, e.g. a model's
-        cross-attention K/V) becomes one shared write-once region per row (`regions.py`): a live region of the
-        same `cache_salt` with the same content (`content_keys[row]` if given, else the bytes; the bytes are
-        always compared before sharing) is shared by reference count, else the row's K/V is written once into
-        blocks of its own. The regions and the rows' blocks are taken in one atomic allocation.
+        `reserve`, e.g. what a session's commits take), refused unless it fits beside what the live owners may
+        hold: an admitted owner never waits for a block another one holds (`_check_reserved`). `cross_kv` (per
+        layer `(2, rows, tokens, Hkv, D)`, e.g. a model's cross-attention K/V) becomes one shared write-once region
+        per row (`regions.py`): a live region of the same `cache_salt` with the same content (`content_keys[row]` if
+        given, else the bytes; the bytes are always compared before sharing) is shared by reference count, else the
+        row's K/V is written once into blocks of its own. The regions and the rows' blocks are taken in one atomic
+        allocation.
         """
         self._check_idle()
         fam = families.for_spec(spec)
@@ -291,21 +292,23 @@ class Scheduler:
         self._check_rows(rows)
         counts = fam.admission_blocks(spec, rows, self)
         reserved = max(sum(counts), fam.reserve(spec, rows, self))  # what the owner may hold up to its reset
-        if cross_kv is None:
-            if cache_salt is not None or content_keys is not None:
-                raise ConfigError("cache_salt and content_keys key a shared region: pass them with cross_kv")
-            requests = None
-        else:
-            requests = self.regions.requests(self.pool, cross_kv, rows, cache_salt, content_keys)
+        if cross_kv is None and (cache_salt is not None or content_keys is not None):
+            raise ConfigError("cache_salt and content_keys key a shared region: pass them with cross_kv")
+        requests = None if cross_kv is None else self.regions.requests(self.pool, cross_kv, rows, cache_salt,
+                                                                       content_keys)
         victim = self._lru_victim(fam)
         if requests is None:
             self._check_reserved(f"admitting {owner_id!r}", reserved, victim)
             if victim is not None:
                 self._release(victim, "evicted (LRU cap on live sessions)")
-            self.owners[owner_id] = Owner(owner_id, fam.name, spec, self.allocate_rows(counts),
-                                          serial=next(self._serials), reserved=reserved)
-            return
-        # Regions take blocks at admission: check they fit (with what an eviction would free) before evicting.
+            taken = self.allocate_rows(counts)
+        else:
+            taken = self._admit_regions(owner_id, counts, reserved, requests, victim)
+        self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken, serial=next(self._serials), reserved=reserved)
+
+    def _admit_regions(self, owner_id: str, counts: list[int], reserved: int, requests, victim: Owner | None):
+        """Admission with shared regions: the rows' blocks and the new regions' in one allocation, regions written
+        (or shared) for `owner_id`; checked (with what an eviction would free) before evicting. The rows' blocks."""
         ending = self.regions.ending_with(victim.owner_id) if victim is not None else set()
         plan = self.regions.resolve(self.pool, requests, ending)
         need = counts + plan.new_block_counts(self.block_size)
@@ -329,8 +332,7 @@ class Scheduler:
                 self.free(ids)
             self.regions.held.pop(owner_id, None)
             raise
-        self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken[: len(counts)], serial=next(self._serials),
-                                      reserved=reserved)
+        return taken[: len(counts)]
 
     def _freed_by(self, owner: Owner) -> int:
         """How many blocks releasing `owner` would free: those it alone holds (rows and regions)."""

@@ -199,7 +199,7 @@ CASES = [
     ("session: commit with the pool full", lambda w: w.rt.forward("live", "commit"), CapacityError,
      r"needs 2 free blocks per layer, 0 are free; retry after other requests finish", _fill_pool),
     ("session: admission beyond the reservations", lambda w: w.rt.admit("extra", DZ, rows=1), CapacityError,
-     r"admitting 'extra' reserves \d+ blocks per layer \(the most it holds up to its reset.*free to reserve", _reserve_all),
+     r"admitting 'extra' reserves \d+ blocks per layer \(the most it takes up to its reset.*free to reserve", _reserve_all),
     ("session: fork beyond the reservations", lambda w: w.rt.fork("live", "kid"), CapacityError,
      r"forking 'live' into 'kid' reserves \d+ blocks per layer .*free to reserve", _reserve_all),
     ("session: planning while another forward is in flight", lambda w: w.rt.scheduler.plan(
