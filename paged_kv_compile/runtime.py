@@ -302,8 +302,8 @@ class PagedKVRuntime:
     def fork(self, parent_id: str, child_id: str, **args: Any) -> None:
         """A zero-copy fork of an owner between forwards, where its family allows it (`Family.fork_state`, e.g.
         at a chunk boundary): the child shares every history block by reference count, so no KV is copied; its
-        next commits go to its own blocks (`Scheduler.fork`). args: the family's, e.g. a budget (DreamZero:
-        `commits=n`, a fork that reserves only what n commits take)."""
+        next commits go to its own blocks (`Scheduler.fork`). args: the family's, e.g. a budget (`commits=n`: a
+        fork that reserves only what n commits take, `Family.fork_budget`)."""
         if self.active is not None:
             raise RequestError(
                 f"cannot fork {parent_id!r} while a forward is active; fork between forwards (after the with block)"

@@ -359,7 +359,7 @@ class Scheduler:
         Between forwards only, and only where the parent's family allows it now (`Family.fork_state`, e.g. a
         session at a chunk boundary). Parent and child then go their own ways: each next commit writes
         blocks its owner takes for itself, and a block returns to the pool when its last holder frees it.
-        The child reserves what its parent does, or, with a budget (`args`, e.g. DreamZero's `commits=n`:
+        The child reserves what its parent does, or, with a budget (`args`, e.g. `commits=n`:
         `Family.fork_budget`), just the blocks it may take; a plan beyond the budget is refused.
         """
         self._check_idle()
