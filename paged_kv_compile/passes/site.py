@@ -182,8 +182,8 @@ def _split(prov: Provenance, standins: set[fx.Node]) -> tuple[list[int], list[tu
     return history, new, ""
 
 
-def _columns(provs: dict[str, Provenance], standins: set[fx.Node], stores: list[fx.Node]) \
-        -> tuple[KeyColumns, NewTokens] | str:
+def _columns(provs: dict[str, Provenance], standins: set[fx.Node],
+             stores: list[fx.Node]) -> tuple[KeyColumns, NewTokens] | str:
     """The key columns (history then new tokens) and the new tokens of query, keys and values, checked to agree."""
     split = {name: _split(provs[name], standins) for name in _INPUTS}
     why = next((split[name][2] for name in ("key", "value", "query") if split[name][2]), "")
