@@ -27,6 +27,7 @@ import torch.fx as fx
 from . import binding, layout
 from .config import INNER_COMPILERS, KERNELS, Bucket
 from .errors import BindingError, ConfigError, RequestError
+from .passes.extra_inputs import extra_values
 from .passes.rewrite import PassResult, rewrite
 
 OPTION_NAMES = ("kernel", "inner_compiler", "strict", "dump_dir", "check_mask")
@@ -149,10 +150,8 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
             f"this graph reads a shared region of {result.region_tokens} tokens but the runtime's metadata holds "
             f"{meta.region_width * runtime.pool.block_size}: set region_tokens={result.region_tokens} in the config "
             "(the family's runtime config sets it with cross_regions=N)")
-    extras = _shared_extras(runtime, meta, bool(result.region_tokens))
-    for site in result.sites:
-        views = meta.layers[binding.resolve(example_inputs[site.weight_input])[1]]
-        extras.append(views.block_base)
+    layers = [binding.resolve(example_inputs[site.weight_input])[1] for site in result.sites]
+    extras = extra_values(result.inputs, runtime.pool, meta, layers)
     compiled = _inner_compile(opts["inner_compiler"], new_gm, list(example_inputs) + extras)
     masks = [(s.mask_input, s.mask_replay) for s in result.sites] if opts["check_mask"] else []
     if opts["check_mask"] and any(index is None for index, _ in masks):
@@ -197,18 +196,6 @@ def _pool_geometry(runtime) -> tuple:
     return (*runtime.pool.tensor.shape, runtime.pool.tensor.dtype)
 
 
-def _shared_extras(runtime, meta, regions: bool = False) -> list:
-    """The inputs every rewritten site shares, in the rewrite pass's order: pool, lengths, ends, FP8 scales, then
-    the metadata every layer's slots and table are computed from (`passes/rewrite.py: SHARED_METADATA`), then
-    with shared-region sites the region table (`REGION_METADATA`)."""
-    extras = [runtime.pool.tensor, meta.seq_lens, meta.kv_visible_end]
-    extras += [] if runtime.pool.scales is None else [runtime.pool.scales]
-    extras += [meta.positions, meta.table0, meta.table_managed]
-    if regions:
-        extras += [meta.region_table0, meta.region_managed, meta.region_seq_lens, meta.region_visible_end]
-    return extras
-
-
 def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
                     mask_inputs: list[tuple[int, Callable]]) -> Callable:
     """The function dynamo calls: appends the pool and the calling layer's metadata views.
@@ -221,6 +208,7 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
     layer_keys = [s.layer_key for s in result.sites]
     expect = result.expect
     region_tokens = result.region_tokens
+    inputs = result.inputs  # the inputs the rewrite added, described once (passes/extra_inputs.py)
 
     def paged_kv_compiled_forward(*args):
         runtime = None
@@ -247,13 +235,8 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
             runtime.check_dense_mask(replay(args[index]))
         if write_checks:
             _check_write_positions(active, [(replay(args[index]), row) for index, replay, row in write_checks], checked)
-        meta = active.meta
         runtime.record_layers(layers)
-        extras = _shared_extras(runtime, meta, bool(region_tokens))
-        for layer in layers:
-            views = meta.layers[layer]
-            extras.append(views.block_base)
-        return compiled(*args, *extras)
+        return compiled(*args, *extra_values(inputs, runtime.pool, active.meta, layers))
 
     paged_kv_compiled_forward.pass_result = result
     paged_kv_compiled_forward.bucket = bucket

@@ -35,7 +35,7 @@ import os
 import warnings
 from typing import Iterator
 
-from .passes.rewrite import PassResult
+from .passes.result import PassResult
 
 _counter = {"n": 0}
 

@@ -146,11 +146,19 @@ def test_the_family_word_check_finds_a_family_name():
     # warm-up and capture hold no family knowledge: they reach a model only through families/
     ("paged_kv_compile.capture", ("paged_kv_compile.capture", "paged_kv_compile.families", "paged_kv_compile.binding",
                                   "paged_kv_compile.config", "paged_kv_compile.errors")),
-    # the generic site analysis and the idioms know no family
-    ("paged_kv_compile.passes.site", ("paged_kv_compile.passes.common",)),
+    # the structural reading of a site (graph helpers <- tag execution <- provenance <- writes <- site) and the
+    # idioms know no family, runtime or metadata
+    ("paged_kv_compile.passes.graph", ()),
+    ("paged_kv_compile.passes.tags", ("paged_kv_compile.passes.graph",)),
+    ("paged_kv_compile.passes.provenance", ("paged_kv_compile.passes.graph", "paged_kv_compile.passes.tags")),
+    ("paged_kv_compile.passes.writes", ("paged_kv_compile.passes.graph", "paged_kv_compile.passes.tags",
+                                        "paged_kv_compile.passes.provenance")),
+    ("paged_kv_compile.passes.site", ("paged_kv_compile.passes.graph", "paged_kv_compile.passes.provenance",
+                                      "paged_kv_compile.passes.writes")),
     ("paged_kv_compile.passes.idioms", ("paged_kv_compile.passes.idioms", "paged_kv_compile.passes.site",
-                                        "paged_kv_compile.passes.common")),
-    ("paged_kv_compile.passes.common", ()),
+                                        "paged_kv_compile.passes.graph", "paged_kv_compile.passes.tags")),
+    # the op's extra inputs are the pool's and the metadata's tensors, nothing else
+    ("paged_kv_compile.passes.extra_inputs", ("paged_kv_compile.pool", "paged_kv_compile.metadata")),
     # the op and its kernels know nothing of runtimes, families or models
     ("paged_kv_compile.ops", ("paged_kv_compile.ops", "paged_kv_compile.config", "paged_kv_compile.errors")),
 ])

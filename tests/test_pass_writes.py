@@ -1,4 +1,4 @@
-"""Tag execution follows in-place writes into a cache (passes/common.py: plan_writes, provenance).
+"""Tag execution follows in-place writes into a cache (passes/writes.py: plan_writes; passes/provenance.py).
 
 A preallocated cache that is shifted left in place (eviction), written at constant slices and read back is
 read element by element: which key column is which cache slot before the forward, and which is a new token.
@@ -11,8 +11,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from paged_kv_compile.passes.common import SDPA_TARGETS, plan_writes, provenance
-from paged_kv_compile.passes.site import STORE_METHODS
+from paged_kv_compile.passes.graph import SDPA_TARGETS
+from paged_kv_compile.passes.provenance import provenance
+from paged_kv_compile.passes.writes import STORE_METHODS, plan_writes
 
 B, C, H, D, N = 1, 24, 2, 4, 8
 
@@ -85,7 +86,8 @@ def test_index_copy_at_data_positions_puts_the_new_tokens_last():
 def _rolling_match(fn, *args):
     """The rolling-cache idiom's reading of `fn`'s attention site, its `cache` argument a stand-in."""
     from paged_kv_compile.passes.idioms import ROLLING_CACHE
-    from paged_kv_compile.passes.site import analyze, store_nodes
+    from paged_kv_compile.passes.site import analyze
+    from paged_kv_compile.passes.writes import store_nodes
 
     got = []
 
@@ -110,8 +112,8 @@ def _recent_only(q, k, cache):
 
 
 def test_rolling_frames_match_with_their_history_count_and_sink():
-    """A frame of a rolling in-place cache reads a constant number of history slots (families/dreamzero.py:
-    _match_rolling): the evicting step reads 16 (no sink read separately), the filling step a prefix of 8."""
+    """A frame of a rolling in-place cache reads a constant number of history slots (passes/idioms/window.py:
+    match_rolling): the evicting step reads 16 (no sink read separately), the filling step a prefix of 8."""
     q, k, cache = torch.randn(B, N, H, D), torch.randn(B, N, H, D), torch.zeros(B, C, H, D)
     rolled = _rolling_match(_rolling, q, k, cache)
     assert rolled.pattern == "rolling-cache", rolled

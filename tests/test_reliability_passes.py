@@ -12,7 +12,7 @@ paged run, and runs the whole loop (window slides, sink, reset; prefill and step
 `tests/test_pass_matching.py` covers (B, H, S, D) + torch.concat + a wrapper module, additive masks +
 repeat_interleave, a tiled GQA mapping and hand-written softmax; the variants here are other ones.
 The last four unsupported HunyuanImage-3 variants ran and were silently wrong before the checks added
-with these tests: a store that is not the attended keys (`passes/site.py`), a refused prefill whose store
+with these tests: a store that is not the attended keys (`passes/writes.py: store_problem`), a refused prefill whose store
 dead-code elimination dropped without an error (`passes/rewrite.py`), a mask narrowed inside the layer
 (`families/hunyuan_image3.py`, `match`).
 """

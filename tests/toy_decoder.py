@@ -25,8 +25,7 @@ from paged_kv_compile.errors import RequestError
 from paged_kv_compile.families.base import BlockSource, Family, ForwardPlan, Owner, ceil_div
 from paged_kv_compile.layout import RowLayout
 from paged_kv_compile.models.hooks import DenseHooks, Forward
-from paged_kv_compile.passes.idioms import Idiom, Match
-from paged_kv_compile.passes.idioms.prefix import mask_problem
+from paged_kv_compile.passes.idioms import Idiom, Match, mask_problem
 
 NAME = "toy_decoder"
 
@@ -128,13 +127,13 @@ def match_causal_append(site) -> Match | str:
     why = mask_problem(site.args["attn_mask"])
     if why:
         return why
-    if site.read_back or site.write_indices or site.stores:
+    if site.writes.read_back or site.writes.positioned or site.writes.stores:
         return "it writes into its cache in place (the causal-append idiom returns a grown cache instead)"
-    if site.standin_ndim != 5 or site.k_kv_index != 0 or site.v_kv_index != 1:
+    if site.cache.ndim != 5 or site.cache.key_half != 0 or site.cache.value_half != 1:
         return "keys and values must come from cache[0] and cache[1] of a (2, B, C, H, D) cache"
-    if site.history_positions != list(range(site.standin_seq_len)) or len(site.new_sizes) != 1:
+    if site.keys.history != list(range(site.cache.length)) or len(site.keys.new_sizes) != 1:
         return "it must read every cache column in order, then one new key tensor"
-    return Match("causal-append", AppendExpect(site.standin_seq_len))
+    return Match("causal-append", AppendExpect(site.cache.length))
 
 
 CAUSAL_APPEND = Idiom("causal-append", match_causal_append)

@@ -2,7 +2,7 @@
 
 A site qualifies when its keys and values are pure data movement of ONE region stand-in (`runtime.region_standin`,
 `(2, B, L, H, D)`): keys exactly ``standin[0]`` and values exactly ``standin[1]`` in SDPA's ``(B, H, L, D)`` layout
-(checked by running the movement on integer tags, `passes/common.py`), with full visibility (no mask, not causal,
+(checked by running the movement on integer tags, `passes/tags.py`), with full visibility (no mask, not causal,
 no dropout, as many query as key heads). It then reads all L tokens of the row's region. Anything else is refused
 with the reason, and the graph is rejected (a stand-in holds no data): never wrong numbers.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .common import example, leaf_offsets, movement_leaves, sdpa_args
+from .graph import example, sdpa_args
+from .tags import leaf_offsets, movement_leaves
 
 
 def region_source(node: fx.Node, regions: set[fx.Node]) -> fx.Node | str | None:

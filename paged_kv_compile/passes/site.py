@@ -4,97 +4,170 @@
 run of history columns from a cache stand-in followed by the freshly computed tokens, the values
 alike, the query made of the same new tokens, and any store of those keys into a stand-in.
 The idioms (`passes/idioms/`) decide from a `Site` whether it is theirs (`Match`).
+
+A `Site` holds a few records of one meaning each (the new tokens, the key columns, the cache read, the cache
+writes); a new idiom reads them, and what it needs beyond them belongs in one of them, not in a new field of
+`Site` per idiom.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
-from .common import (
-    STORE_VALUE_ARG,
-    LeafUse,
-    Provenance,
+from .graph import ancestors, example, find_parameter, sdpa_args
+from .provenance import LeafRead, Provenance, joining_columns, provenance
+from .writes import (
+    PositionedWrite,
     Writes,
-    ancestors,
-    example,
-    find_parameter,
-    movement_leaves,
     plan_writes,
-    provenance,
-    write_rows,
-    sdpa_args,
-    store_name,
-    windowed_columns,
+    positioned_writes,
+    store_problem,
+    store_weight,
+    stores_read_back,
 )
 
-STORE_METHODS = {"copy_", "__setitem__", "index_put_", "index_copy_", "fill_", "zero_", "masked_fill_"}
+_INPUTS = ("query", "key", "value")
 
 
-@dataclass
+@dataclass(frozen=True)
 class NewSpan:
     """Freshly computed tokens [start, stop) along the sequence axis of one leaf."""
 
-    use: LeafUse
+    read: LeafRead
     start: int
     stop: int
 
 
 @dataclass
-class Site:
-    node: fx.Node
-    args: dict
-    q_new: list[NewSpan]
-    k_new: list[NewSpan]
-    v_new: list[NewSpan]
+class NewTokens:
+    """The freshly computed tokens the site attends with, as spans of the leaves they are read from (the rewrite
+    hands these to the op)."""
+
+    query: list[NewSpan]
+    key: list[NewSpan]
+    value: list[NewSpan]
+
+
+@dataclass
+class KeyColumns:
+    """The site's key columns in order: history columns read from a cache stand-in, then the new tokens. The
+    values' columns are the same (checked)."""
+
+    #: the cache position each history column reads; after writes at constant slices (`CacheWrites.read_back`)
+    #: the slot as it was BEFORE the forward (followed through the writes and eviction shifts on tags)
+    history: list[int]
+    #: the new key spans' lengths, in column order
     new_sizes: list[int]
-    history_positions: list[int]
-    k_kv_index: int | None
-    v_kv_index: int | None
-    standin_ndim: int
-    standin_seq_len: int
-    stores: list[fx.Node] = field(default_factory=list)
-    store_seq_len: int = 0
     #: how many of the new tokens (the leading ones) join the cache history in a cache concatenation, i.e. what
-    #: the model's cache keeps; None when the keys have no cache concatenation (see common.windowed_columns)
-    window_new_tokens: int | None = None
-    #: keys/values read back from a stand-in after this graph wrote the new tokens into it at positions that
-    #: are data (`index_copy_` at `position_ids`, Tencent's HunyuanStaticCache): (index node, row it writes or
-    #: None for every row, cache length) per store. The history columns are then the cache columns the new
-    #: tokens did not overwrite; the runtime checks the positions against its layout at every call.
-    write_indices: list[tuple[fx.Node, int | None, int]] = field(default_factory=list)
-    #: the length of the cache axis such writes address (0 without them)
-    written_cache_len: int = 0
-    #: keys/values read back from a stand-in after this graph wrote into it at constant slices (a preallocated
-    #: rolling cache with static indices, Self-Forcing's): `history_positions` are then the cache slots as they
-    #: were BEFORE the forward (followed through the writes and eviction shifts on tags, common.plan_writes)
+    #: the model's cache keeps; None when the keys have no cache concatenation (`provenance.joining_columns`)
+    joining: int | None = None
+
+
+@dataclass
+class CacheRead:
+    """The cache stand-in the keys and values read their history from (ndim 0 when they read none)."""
+
+    ndim: int = 0
+    length: int = 0  # its sequence length
+    key_half: int | None = None  # a stand-in with a leading K/V axis ((2, B, L, H, D)): the half the keys read
+    value_half: int | None = None  # ... and the half the values read
+
+
+@dataclass
+class CacheWrites:
+    """The site's in-place stores into cache stand-ins (the rewrite drops them: the op writes the pool)."""
+
+    stores: list[fx.Node] = field(default_factory=list)
+    length: int = 0  # the sequence length (axis 1) of the first store's destination; 0 without stores
+    #: stores at positions that are data which the keys/values read back (`index_copy_` at `position_ids`,
+    #: Tencent's HunyuanStaticCache): the history columns are then the cache columns the new tokens did not
+    #: overwrite; the runtime checks the positions against the rows' layouts at every call
+    positioned: list[PositionedWrite] = field(default_factory=list)
+    #: keys/values read back after writes at constant slices (a preallocated rolling cache with static indices,
+    #: Self-Forcing's): `KeyColumns.history` are then slots before the forward
     read_back: bool = False
     #: with `read_back`: the cache slots the keys read, in the cache as it is AFTER this graph's writes
     read_slots: list[int] = field(default_factory=list)
 
 
-def store_nodes(graph: fx.Graph, standins: set[fx.Node]) -> list[fx.Node]:
-    """In-place writes whose destination is (a view of) a cache stand-in."""
-    out = []
-    for n in graph.nodes:
-        is_store = (n.op == "call_method" and n.target in STORE_METHODS) or (
-            n.op == "call_function" and getattr(n.target, "__name__", "") in {"setitem", "copy_", "index_put_"}
-        )
-        if is_store and n.args and isinstance(n.args[0], fx.Node):
-            leaves, _ = movement_leaves(n.args[0])
-            if any(leaf in standins for leaf in leaves):
-                out.append(n)
-    return out
+@dataclass
+class Site:
+    node: fx.Node
+    args: dict  # the SDPA call's arguments by name (`graph.sdpa_args`)
+    new: NewTokens
+    keys: KeyColumns
+    cache: CacheRead
+    writes: CacheWrites
+
+
+@dataclass
+class _Reads:
+    """What the site's query, keys and values read, with the in-place writes they read back followed."""
+
+    provs: dict[str, Provenance]
+    written: list[fx.Node]  # stores whose effect the keys/values read back
+    positioned: list[PositionedWrite]
+    read_slots: list[int]
+
+
+def _read_after_write_refusal(stores: list[fx.Node], why: str) -> str:
+    return (
+        f"its keys/values are read back from a cache stand-in after an in-place write into it ({stores[0].name}) "
+        f"that the pass cannot follow: {why}. A preallocated rolling cache written at [start:end] (CausVid / "
+        "Self-Forcing) pages when its indices are a fill state the compiled frame is specialized on (local_end_index "
+        "a Python int, a new_block flag instead of absolute indices: docs/models.md), or written as the window "
+        "idiom: new_k = cat([cache_k, k], 1)[:, -window:] (same for v), attend over it and return "
+        "stack([new_k, new_v]); eviction and write positions are then the runtime's (docs/models.md)"
+    )
+
+
+def _provenances(args: dict, written: list[fx.Node]) -> tuple[dict[str, Provenance], dict[str, Writes]] | str:
+    """Each input's provenance, the keys' and values' through the `written` stores they read back."""
+    plans: dict[str, Writes] = {}
+    for name in ("key", "value") if written else ():
+        plan, why = plan_writes(args[name], written)
+        if plan is None:
+            return _read_after_write_refusal(written, why)
+        plans[name] = plan
+    provs = {}
+    for name in _INPUTS:
+        prov, why = provenance(args[name], plans.get(name))
+        if prov is None:
+            return _read_after_write_refusal(written, f"{name}: {why}") if name in plans else f"{name}: {why}"
+        provs[name] = prov
+    return provs, plans
+
+
+def _reads(node: fx.Node, args: dict, standins: set[fx.Node], stores: list[fx.Node]) -> _Reads | str:
+    """The site's inputs read structurally; a store they read back is followed (`plan_writes`): at data positions
+    the positions are recorded for the runtime's checks, at constant slices the slots read after the writes."""
+    written = stores_read_back(node, args, standins, stores)
+    got = _provenances(args, written)
+    if isinstance(got, str):
+        return got
+    provs, plans = got
+    positioned: list[PositionedWrite] = []
+    for name, plan in plans.items():
+        found = positioned_writes(plan, written, provs[name])
+        if isinstance(found, str):
+            return _read_after_write_refusal(written, found)
+        positioned += [w for w in found if w not in positioned]
+    read_slots: list[int] = []
+    if written and not positioned:
+        slots, why = provenance(args["key"])  # the same read, before following the writes: which slots it reads
+        if slots is None or any(leaf not in standins for leaf, _ in slots.columns):
+            return _read_after_write_refusal(written, f"key: the slots it reads could not be followed ({why})")
+        read_slots = [pos for _, pos in slots.columns]
+    return _Reads(provs, written, positioned, read_slots)
 
 
 def _split(prov: Provenance, standins: set[fx.Node]) -> tuple[list[int], list[tuple[fx.Node, list[int]]], str]:
     """History positions (stand-in columns first) and the runs of new tokens after them."""
-    runs = prov.runs()
     history: list[int] = []
     new: list[tuple[fx.Node, list[int]]] = []
-    for leaf, positions in runs:
+    for leaf, positions in prov.runs():
         if leaf in standins:
             if new:
                 return [], [], "cache history columns come after new tokens"
@@ -109,63 +182,67 @@ def _split(prov: Provenance, standins: set[fx.Node]) -> tuple[list[int], list[tu
     return history, new, ""
 
 
-def _store_weight(store: fx.Node, params: set[fx.Node]) -> fx.Node | None:
-    """The layer weight behind the value a store writes (everything but its destination)."""
-    sources = [a for a in store.all_input_nodes if a is not store.args[0]]
-    return find_parameter(sources, params) if sources else None
+def _columns(provs: dict[str, Provenance], standins: set[fx.Node],
+             stores: list[fx.Node]) -> tuple[KeyColumns, NewTokens] | str:
+    """The key columns (history then new tokens) and the new tokens of query, keys and values, checked to agree."""
+    split = {name: _split(provs[name], standins) for name in _INPUTS}
+    why = next((split[name][2] for name in ("key", "value", "query") if split[name][2]), "")
+    if why:
+        return why
+    (k_hist, k_new, _), (v_hist, v_new, _), (q_hist, q_new, _) = (split[name] for name in ("key", "value", "query"))
+    if q_hist:
+        return "the query reads a cache stand-in"
+    if not (k_hist or v_hist or stores):
+        return "a cache stand-in feeds its keys/values through computation, not only data movement"
+    sizes = [len(p) for _, p in k_new]
+    if not sizes:
+        return "the keys contain no newly computed tokens"
+    if sum(len(p) for _, p in v_new) != sum(sizes) or sum(len(p) for _, p in q_new) != sum(sizes):
+        return "query, keys and values do not carry the same number of new tokens"
+    if k_hist != v_hist:
+        return "keys and values read different history positions"
+    spans = {name: [NewSpan(provs[name].reads[leaf], p[0], p[-1] + 1) for leaf, p in split[name][1]]
+             for name in _INPUTS}
+    return KeyColumns(k_hist, sizes), NewTokens(spans["query"], spans["key"], spans["value"])
 
 
-def _store_problem(store: fx.Node, new_leaves: set[fx.Node], followed: set[fx.Node] = frozenset(),
-                   standins: set[fx.Node] = frozenset()) -> str:
-    """Why a store into a stand-in is not a plain copy of the site's new keys/values ("" when it is).
-
-    The pass drops such stores and the op writes the keys/values the attention reads instead, which is only
-    the same when the store writes exactly those tensors (through data movement, optionally zeroed where a
-    row is padding: ``torch.where(valid, key[:, :P], 0)``, as HunyuanImage-3 does). A store in `followed`
-    (its effect on what the attention reads was followed on tags) may also move stand-in data within the cache
-    (a rolling cache's eviction shift): the history it produces is what the runtime's window supplies.
-    """
-    name = store_name(store)
-    index = STORE_VALUE_ARG.get(name)
-    value = store.args[index] if index is not None and len(store.args) > index else None
-    if not isinstance(value, fx.Node):
-        return f"it writes the cache with {name}, which the pass cannot verify"
-    if (value.op == "call_function" and value.target is torch.where and len(value.args) == 3
-            and isinstance(value.args[1], fx.Node) and value.args[2] in (0, 0.0)):
-        value = value.args[1]  # zeroing padded positions: they are never read
-    leaves, _ = movement_leaves(value)
-    if store in followed and leaves and all(leaf in standins for leaf in leaves):
-        return ""  # an eviction shift inside the cache, read structurally
-    if len(leaves) != 1 or leaves[0] not in new_leaves:
-        return (
-            "it stores something else into the cache than the keys/values it attends with (arithmetic or another "
-            "tensor): the paged op can only keep what the attention reads"
-        )
-    return ""
-
-
-def _written_before(node: fx.Node, args: dict, standins: set[fx.Node], stores: list[fx.Node]) -> list[fx.Node]:
-    """Stores (in graph order) into a stand-in that the site's keys/values read back after the write."""
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    read = set()
+def _joining(provs: dict[str, Provenance], history: int, standins: set[fx.Node]) -> int | None | str:
+    """How many leading new tokens join the cache history (the same for keys and values), or why not consistent."""
+    joining: list[int | None] = []
     for name in ("key", "value"):
-        leaves, _ = movement_leaves(args[name])
-        read |= {leaf for leaf in leaves if leaf in standins}
-    written = {leaf for s in stores if order[s] < order[node] for leaf in movement_leaves(s.args[0])[0]}
-    if not read & written:
-        return []
-    return [s for s in stores if order[s] < order[node] and set(movement_leaves(s.args[0])[0]) & read]
+        cols = joining_columns(provs[name], standins)
+        if cols is None:
+            joining.append(None)
+            continue
+        new_cols = list(range(history, len(provs[name].columns)))
+        passed = [c for c in new_cols if c in cols]
+        if passed != new_cols[: len(passed)]:
+            return (f"the {name} tokens that join the cache history are not the leading new tokens: the cache "
+                    "would keep tokens in another order than the attention reads them")
+        joining.append(len(passed))
+    if joining[0] != joining[1]:
+        return f"keys and values join the cache history differently ({joining[0]} vs {joining[1]} new tokens)"
+    return joining[0]
 
 
-def _read_after_write_refusal(stores: list[fx.Node], why: str) -> str:
-    return (
-        f"its keys/values are read back from a cache stand-in after an in-place write into it ({stores[0].name}) "
-        f"that the pass cannot follow: {why}. A preallocated rolling cache written at [start:end] (CausVid / "
-        "Self-Forcing) pages when its indices are a fill state the compiled frame is specialized on (local_end_index "
-        "a Python int, a new_block flag instead of absolute indices: docs/models.md), or written as the window "
-        "idiom: new_k = cat([cache_k, k], 1)[:, -window:] (same for v), attend over it and return "
-        "stack([new_k, new_v]); eviction and write positions are then the runtime's (docs/models.md)"
-    )
+def _cache_read(provs: dict[str, Provenance], standins: set[fx.Node]) -> CacheRead:
+    """Which stand-in the keys read their history from (the first such), and which K/V halves they read."""
+    halves = []
+    for name in ("key", "value"):
+        leaf = next((leaf for leaf, _ in provs[name].columns if leaf in standins), None)
+        halves.append(None if leaf is None else provs[name].reads[leaf])
+    key, value = halves
+    if key is None:
+        return CacheRead(value_half=value.kv_index if value is not None else None)
+    return CacheRead(example(key.node).dim(), example(key.node).shape[key.seq_dim], key.kv_index,
+                     value.kv_index if value is not None else None)
+
+
+def _cache_writes(stores: list[fx.Node], reads: _Reads) -> CacheWrites:
+    dest = example(stores[0].args[0]) if stores else None
+    length = dest.shape[1] if dest is not None and dest.dim() >= 2 else 0
+    return CacheWrites(stores, length, reads.positioned, bool(reads.written) and not reads.positioned,
+                       reads.read_slots)
 
 
 def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params: set[fx.Node]) -> Site | str | None:
@@ -176,106 +253,26 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
     """
     args = sdpa_args(node)
     weight = find_parameter([args["key"]], params)
-    my_stores = [s for s in stores if weight is not None and _store_weight(s, params) is weight]
+    mine = [s for s in stores if weight is not None and store_weight(s, params) is weight]
     upstream = ancestors(args["key"]) | ancestors(args["value"]) | {args["key"], args["value"]}
-    if not (standins & upstream) and not my_stores:
+    if not (standins & upstream) and not mine:
         return None
     if args["dropout_p"] not in (0, 0.0):
         return "attention dropout is not supported by the paged op"
-    written = _written_before(node, args, standins, stores)
-    write_plans: dict[str, Writes | None] = {"query": None, "key": None, "value": None}
-    if written:
-        for name in ("key", "value"):
-            plan, why = plan_writes(args[name], written)
-            if plan is None:
-                return _read_after_write_refusal(written, why)
-            write_plans[name] = plan
-    provs = {}
-    for name in ("query", "key", "value"):
-        prov, why = provenance(args[name], write_plans[name])
-        if prov is None:
-            return (_read_after_write_refusal(written, f"{name}: {why}") if write_plans[name] is not None
-                    else f"{name}: {why}")
-        provs[name] = prov
-    write_indices: list[tuple[fx.Node, int | None, int]] = []
-    for name in ("key", "value"):
-        if write_plans[name] is not None:
-            got = write_rows(write_plans[name], written, provs[name])
-            if isinstance(got, str):
-                return _read_after_write_refusal(written, got)
-            write_indices += [w for w in got if w not in write_indices]
-    read_slots: list[int] = []
-    if written and not write_indices:
-        slots, why = provenance(args["key"])  # the same read, before following the writes: which slots it reads
-        if slots is None or any(leaf not in standins for leaf, _ in slots.columns):
-            return _read_after_write_refusal(written, f"key: the slots it reads could not be followed ({why})")
-        read_slots = [pos for _, pos in slots.columns]
-    if written:
-        my_stores = list(dict.fromkeys(my_stores + written))
-    k_hist, k_new, why_k = _split(provs["key"], standins)
-    v_hist, v_new, why_v = _split(provs["value"], standins)
-    q_hist, q_new, why_q = _split(provs["query"], standins)
-    for why in (why_k, why_v, why_q):
-        if why:
-            return why
-    if q_hist:
-        return "the query reads a cache stand-in"
-    if not (k_hist or v_hist or my_stores):
-        return "a cache stand-in feeds its keys/values through computation, not only data movement"
-    sizes = [len(p) for _, p in k_new]
-    if not sizes:
-        return "the keys contain no newly computed tokens"
-    if sum(len(p) for _, p in v_new) != sum(sizes) or sum(len(p) for _, p in q_new) != sum(sizes):
-        return "query, keys and values do not carry the same number of new tokens"
-    if k_hist != v_hist:
-        return "keys and values read different history positions"
-    new_leaves = {leaf for leaf, _ in k_new} | {leaf for leaf, _ in v_new}
-    for store in my_stores:
-        why = _store_problem(store, new_leaves, set(written), standins)
-        if why:
-            return why
-    window_new: list[int | None] = []
-    for name, hist in (("key", k_hist), ("value", v_hist)):
-        cols = windowed_columns(provs[name], standins)
-        if cols is None:
-            window_new.append(None)
-            continue
-        new_cols = list(range(len(hist), len(provs[name].columns)))
-        passed = [c for c in new_cols if c in cols]
-        if passed != new_cols[: len(passed)]:
-            return (f"the {name} tokens that join the cache history are not the leading new tokens: the cache "
-                    "would keep tokens in another order than the attention reads them")
-        window_new.append(len(passed))
-    if window_new[0] != window_new[1]:
-        return f"keys and values join the cache history differently ({window_new[0]} vs {window_new[1]} new tokens)"
-    standin_leaves = {leaf for leaf, _ in provs["key"].columns if leaf in standins}
-    standin = next(iter(standin_leaves), None)
-    k_kv = provs["key"].uses[standin].kv_index if standin is not None else None
-    v_standins = {leaf for leaf, _ in provs["value"].columns if leaf in standins}
-    v_kv = provs["value"].uses[next(iter(v_standins))].kv_index if v_standins else None
-    ndim = example(standin).dim() if standin is not None else 0
-    seq_len = example(standin).shape[provs["key"].uses[standin].seq_dim] if standin is not None else 0
-    store_len = 0
-    if my_stores:
-        dest = example(my_stores[0].args[0])
-        store_len = dest.shape[1] if dest is not None and dest.dim() >= 2 else 0
-    return Site(
-        node=node,
-        args=args,
-        q_new=[NewSpan(provs["query"].uses[leaf], p[0], p[-1] + 1) for leaf, p in q_new],
-        k_new=[NewSpan(provs["key"].uses[leaf], p[0], p[-1] + 1) for leaf, p in k_new],
-        v_new=[NewSpan(provs["value"].uses[leaf], p[0], p[-1] + 1) for leaf, p in v_new],
-        new_sizes=sizes,
-        history_positions=k_hist,
-        k_kv_index=k_kv,
-        v_kv_index=v_kv,
-        standin_ndim=ndim,
-        standin_seq_len=seq_len,
-        stores=my_stores,
-        store_seq_len=store_len,
-        window_new_tokens=window_new[0],
-        write_indices=write_indices,
-        written_cache_len=max((length for _, _, length in write_indices), default=0),
-        read_back=bool(written) and not write_indices,
-        read_slots=read_slots,
-    )
+    reads = _reads(node, args, standins, stores)
+    if isinstance(reads, str):
+        return reads
+    mine = list(dict.fromkeys(mine + reads.written))
+    got = _columns(reads.provs, standins, mine)
+    if isinstance(got, str):
+        return got
+    keys, new = got
+    new_leaves = {span.read.node for span in new.key + new.value}
+    why = next((w for w in (store_problem(s, new_leaves, set(reads.written), standins) for s in mine) if w), "")
+    if why:
+        return why
+    joining = _joining(reads.provs, len(keys.history), standins)
+    if isinstance(joining, str):
+        return joining
+    keys.joining = joining
+    return Site(node, args, new, keys, _cache_read(reads.provs, standins), _cache_writes(mine, reads))

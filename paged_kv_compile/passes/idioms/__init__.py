@@ -1,6 +1,7 @@
 """The attention idioms the passes rewrite (see `base.py`); families list the ones they accept."""
 
 from .base import Expectation, Idiom, Match
+from .mask import mask_problem
 from .prefix import PREFILL_STORE, PREFIX_STEP, STATIC_CACHE, PrefixExpect
 from .window import ROLLING_CACHE, WINDOW, RollingExpect, WindowExpect
 
@@ -16,4 +17,5 @@ __all__ = [
     "STATIC_CACHE",
     "WINDOW",
     "WindowExpect",
+    "mask_problem",
 ]

@@ -4,20 +4,16 @@ HunyuanImage-3 writes them three ways: our reference model and vllm-omni store t
 concatenate it before the new keys at later steps (`PREFILL_STORE`, `PREFIX_STEP`); Tencent's HunyuanStaticCache
 writes every forward's keys into a static cache at `position_ids` (`STATIC_CACHE`). In all three the mask is an
 input of the graph: which keys a query sees is the runtime's layout (read from the prefill's mask), so a mask the
-graph computes itself cannot be rewritten without risking a wrong answer (`mask_problem`).
+graph computes itself cannot be rewritten without risking a wrong answer (`mask.py: mask_problem`).
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
-import torch
-import torch.fx as fx
-
-from ..common import ancestors, is_movement
 from ..site import Site
 from .base import Idiom, Match
+from .mask import mask_problem
 
 
 @dataclass(frozen=True)
@@ -30,35 +26,6 @@ class PrefixExpect:
     @property
     def context(self) -> int:
         return self.prefix_capacity
-
-
-# What may turn the mask input into the mask the attention uses: slicing/reshaping, negation, and boolean to
-# additive conversion. Anything else (a tril, an `&` with another mask, ...) changes which keys are visible,
-# which the paged op takes from the owner's layout instead: such a site cannot be rewritten without a wrong answer.
-_MASK_FUNCTIONS = {
-    torch.where, torch.logical_not, operator.invert, torch.zeros, torch.zeros_like, torch.full, torch.full_like,
-}
-_MASK_METHODS = {"masked_fill", "masked_fill_", "logical_not", "__invert__", "to", "float", "half", "bfloat16", "type",
-                 "type_as", "bool"}
-
-
-def mask_problem(mask: object) -> str:
-    """Why the attention's mask is not a graph input seen through data movement and dtype conversion ("" if it is)."""
-    if not isinstance(mask, fx.Node):
-        return ""
-    for n in [mask, *ancestors(mask)]:
-        if n.op in ("placeholder", "get_attr") or is_movement(n):
-            continue
-        if (n.op == "call_function" and n.target in _MASK_FUNCTIONS) or (
-            n.op == "call_method" and n.target in _MASK_METHODS
-        ):
-            continue
-        what = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-        return (
-            f"its mask is computed in the graph ({n.name}: {what}), so it may differ from the layout the paged op "
-            "uses (the owner's, read from its mask at admission or prefill): pass the final mask in as an input"
-        )
-    return ""
 
 
 def _masked(site: Site) -> str:
@@ -77,14 +44,14 @@ def match_prefix_step(site: Site) -> Match | str:
     why = _masked(site)
     if why:
         return why
-    if site.write_indices or not site.history_positions:
+    if site.writes.positioned or not site.keys.history:
         return "it reads no cached prefix before its new keys"
-    if site.standin_ndim != 4:
+    if site.cache.ndim != 4:
         return "the cached prefix must be a (B, P, H, D) stand-in"
-    prefix = site.standin_seq_len
-    if site.history_positions != list(range(prefix)):
+    prefix = site.cache.length
+    if site.keys.history != list(range(prefix)):
         return "a later step must read the whole cached prefix [0, P) in order before the new tokens"
-    if len(site.new_sizes) != 1:
+    if len(site.keys.new_sizes) != 1:
         return "a later step appends one new key tensor after the prefix"
     return Match("prefix-step", PrefixExpect(prefix, "prefix-step"))
 
@@ -95,20 +62,20 @@ def match_prefill_store(site: Site) -> Match | str:
     why = _masked(site)
     if why:
         return why
-    if site.write_indices or site.history_positions:
+    if site.writes.positioned or site.keys.history:
         return "it reads cached keys (a prefill attends over its new keys only)"
-    if not site.stores:
+    if not site.writes.stores:
         return "no cached prefix is read and none is stored: not a KV-cache site"
-    if len(site.new_sizes) != 1:
+    if len(site.keys.new_sizes) != 1:
         return "a prefill attends over one freshly projected key tensor"
-    return Match("prefill-store", PrefixExpect(site.store_seq_len, "prefill-store"))
+    return Match("prefill-store", PrefixExpect(site.writes.length, "prefill-store"))
 
 
 def match_static_cache(site: Site) -> Match | str:
     """Tencent's HunyuanStaticCache: the new K/V written into a static (B, Hkv, S, D) cache with `index_copy_` at
     `position_ids`, then attention over the whole cache with the mask.
 
-    Read structurally (passes/common.py: plan_writes), the key columns are the cache columns the new tokens did
+    Read structurally (passes/writes.py: plan_writes), the key columns are the cache columns the new tokens did
     not overwrite, in order, then the new tokens (the probe puts them last). Which dense column holds which
     logical position is the layout read from the prefill mask; the runtime checks `position_ids` against it at
     every call (layout.write_positions_problem), so a write elsewhere is refused, never computed.
@@ -116,18 +83,18 @@ def match_static_cache(site: Site) -> Match | str:
     why = _masked(site)
     if why:
         return why
-    if not site.write_indices:
+    if not site.writes.positioned:
         return "it writes no keys into a static cache at positions that are a graph input"
-    lengths = {length for _, _, length in site.write_indices}
+    lengths = {write.cache_length for write in site.writes.positioned}
     if len(lengths) != 1:
         return "keys and values are written into caches of different lengths"
     S = lengths.pop()
-    if len(site.new_sizes) != 1:
+    if len(site.keys.new_sizes) != 1:
         return "a static-cache site writes one new key tensor"
-    T = site.new_sizes[0]
-    if site.history_positions != list(range(S - T)):
+    T = site.keys.new_sizes[0]
+    if site.keys.history != list(range(S - T)):
         return (f"after writing {T} new tokens at position_ids the attention must read the whole static cache "
-                f"[0, {S}) in order (it reads {len(site.history_positions)} other cache columns)")
+                f"[0, {S}) in order (it reads {len(site.keys.history)} other cache columns)")
     return Match("static-cache", PrefixExpect(S, "static-cache"))
 
 

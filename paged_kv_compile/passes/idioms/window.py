@@ -74,18 +74,18 @@ def match_window(site: Site) -> Match | str:
     which tensor they come from: vllm-omni ropes [video | registers] in one call and slices both out of it.
     The runtime's window/sink plan supplies exactly those history positions from the pool.
     """
-    if site.read_back:
+    if site.writes.read_back:
         return "it reads its keys back from a cache written in place (the rolling-cache idiom)"
-    if site.standin_ndim != 5:
+    if site.cache.ndim != 5:
         return "history does not come from a (2, B, L, H, D) cache stand-in"
     why = _unmasked(site)
     if why:
         return why
-    if site.k_kv_index != 0 or site.v_kv_index != 1:
+    if site.cache.key_half != 0 or site.cache.value_half != 1:
         return "keys must come from cache[0] and values from cache[1]"
-    hist = site.history_positions
-    window = site.standin_seq_len
-    chunk = site.window_new_tokens
+    hist = site.keys.history
+    window = site.cache.length
+    chunk = site.keys.joining
     if chunk is None:
         return "its keys never join cache history with new keys in one concatenation (cat([cache, new])[:, -window:])"
     if len(hist) != window - chunk:
@@ -94,7 +94,7 @@ def match_window(site: Site) -> Match | str:
     if hist[sink:] != list(range(sink + chunk, window)):
         return "history positions are not a sink followed by the most recent window tokens"
     expect = WindowExpect(
-        window_tokens=window, sink_tokens=sink, chunk_tokens=chunk, action_tokens=sum(site.new_sizes) - chunk
+        window_tokens=window, sink_tokens=sink, chunk_tokens=chunk, action_tokens=sum(site.keys.new_sizes) - chunk
     )
     return Match("window", expect, visibility="full")
 
@@ -105,27 +105,28 @@ def match_rolling(site: Site) -> Match | str:
     a preallocated (B, C, H, D) cache at constant slices, possibly after an in-place eviction shift, and attention
     reads the keys/values back from it, every slot from 0 to the end of the new chunk.
 
-    Tag execution (passes/common.py: plan_writes) says which cache slots, as they were before the forward, the
+    Tag execution (passes/writes.py: plan_writes) says which cache slots, as they were before the forward, the
     attention reads: they must be a leading run (the sink, when a gap follows it) and one contiguous run after
     it, in order, followed by the new chunk. The frame then reads a constant number of history tokens; which
     tokens those slots hold is the dense driver's state, which the stand-in does not have: the owner's family
     checks at every call that the visible history has exactly that many tokens (`RollingExpect.history_tokens`).
     """
-    if not site.read_back:
+    if not site.writes.read_back:
         return "it does not read its keys back from a cache written in place at constant slices"
     why = _unmasked(site)
     if why:
         return why
-    if len(site.new_sizes) != 1:
+    if len(site.keys.new_sizes) != 1:
         return "a rolling-cache frame attends over one new chunk after the cache history"
-    C, chunk, hist = site.store_seq_len, site.new_sizes[0], site.history_positions
-    if site.standin_seq_len and site.standin_seq_len != C:
-        return f"the cache it reads ({site.standin_seq_len} slots) is not the cache it writes ({C} slots)"
-    if site.k_kv_index not in (None, 0) or site.v_kv_index not in (None, 1):
+    C, chunk, hist = site.writes.length, site.keys.new_sizes[0], site.keys.history
+    if site.cache.length and site.cache.length != C:
+        return f"the cache it reads ({site.cache.length} slots) is not the cache it writes ({C} slots)"
+    if site.cache.key_half not in (None, 0) or site.cache.value_half not in (None, 1):
         return "keys must come from cache[0] and values from cache[1]"
-    if site.read_slots != list(range(len(hist) + chunk)):
+    if site.writes.read_slots != list(range(len(hist) + chunk)):
+        slots = site.writes.read_slots
         return ("after its writes the attention must read the cache from slot 0 up to the end of the new chunk "
-                f"(it reads slots {site.read_slots[:3]}...{site.read_slots[-2:]}): the runtime's window supplies "
+                f"(it reads slots {slots[:3]}...{slots[-2:]}): the runtime's window supplies "
                 "everything the cache holds, the sink and the most recent tokens")
     sink = _sink_length(hist)
     rest = hist[sink:]

@@ -1,0 +1,69 @@
+"""Small helpers over dynamo's FX graph that every pass module reads: example values, SDPA calls, weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def example(node: fx.Node):
+    """Dynamo's example value of `node` (a fake tensor for tensors)."""
+    return node.meta.get("example_value")
+
+
+def is_tensor_node(node: object) -> bool:
+    return isinstance(node, fx.Node) and isinstance(example(node), torch.Tensor)
+
+
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's position in the graph (topological order)."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def sdpa_args(node: fx.Node) -> dict:
+    """An SDPA call's arguments by name, defaults filled in."""
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    out = dict(_SDPA_DEFAULTS)
+    out.update(zip(names, node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def find_parameter(start: list[fx.Node], params: set[fx.Node]) -> fx.Node | None:
+    """Nearest 2-D parameter placeholder upstream of `start` (breadth-first): the site's layer key."""
+    frontier, seen = list(start), set(start)
+    while frontier:
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                seen.add(a)
+                if a in params:
+                    return a
+                nxt.append(a)
+        frontier = nxt
+    return None
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` depends on (not `node` itself)."""
+    out, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in out:
+                out.add(a)
+                stack.append(a)
+    return out
+
+
+def source_name(node: fx.Node) -> str:
+    """The name dynamo's source gives a placeholder (a weight's module path), else the node's name."""
+    src = getattr(node, "_dynamo_source", None)
+    return src.name if src is not None and hasattr(src, "name") else node.name
