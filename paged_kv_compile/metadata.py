@@ -6,7 +6,7 @@ of every query token (-1: padding), ``seq_lens`` and ``kv_visible_end``. All of 
 allocation per bucket, filled by ONE host-to-device copy from one staging buffer per forward. Layer l's
 op inputs follow from it and one per-layer base (`pool.py`: layer l's block b is ``l * blocks_per_layer + b``):
 ``block_table = table0 + managed * base_l`` and ``slot_mapping[t] = block_table[pos_t // B] * B + pos_t % B``
-(-1 where pos_t < 0). :func:`layer_metadata` computes them; `passes/rewrite.py` puts that computation into
+(-1 where pos_t < 0). :func:`layer_metadata` computes them; `passes/insert.py` puts that computation into
 the compiled graph next to each op call, so it runs on the device (inside a captured CUDA graph) and the host
 does no per-layer and no per-token arithmetic. Every buffer keeps its address.
 
@@ -58,7 +58,7 @@ def layer_metadata(positions: torch.Tensor, table0: torch.Tensor, table_managed:
                    block_base: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (slot_mapping int64 [R, T], block_table int32 [R, M]) from the shared metadata and its base.
 
-    Plain torch ops on the buffers: called inside compiled graphs (`passes/rewrite.py`) and by code that
+    Plain torch ops on the buffers: called inside compiled graphs (`passes/insert.py`) and by code that
     drives the op directly (:class:`LayerViews`)."""
     table = layer_block_table(table0, table_managed, block_base)
     safe = positions.clamp(min=0)

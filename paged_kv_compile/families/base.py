@@ -168,7 +168,7 @@ class Family(abc.ABC):
     noun: str  # "session" or "request", for messages
     spec_type: type
     evict_lru: bool  # whether the runtime's max_sessions LRU cap applies to this family's owners
-    #: the idioms (`passes.idioms.Idiom`) whose sites this family's owners may run; `passes/rewrite.py` matches them
+    #: the idioms (`passes.idioms.Idiom`) whose sites this family's owners may run; `passes/match.py` matches them
     idioms: tuple = ()
 
     REQUIRED_ATTRIBUTES = ("name", "noun", "spec_type", "evict_lru", "idioms")
