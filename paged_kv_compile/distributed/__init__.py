@@ -9,5 +9,6 @@ this package imports neither vLLM nor vllm-omni; docs/distributed.md says how to
 from __future__ import annotations
 
 from .parallel_config import SUPPORTED_MODES, ParallelConfig, rank_pool_bytes
+from .rank_runtime import RankRuntime, model_parallel_cpu_group
 
-__all__ = ["SUPPORTED_MODES", "ParallelConfig", "rank_pool_bytes"]
+__all__ = ["SUPPORTED_MODES", "ParallelConfig", "RankRuntime", "model_parallel_cpu_group", "rank_pool_bytes"]
