@@ -62,14 +62,18 @@ def layer_kwargs(req: dict, first: bool) -> dict:
                 uncond_cfg_prefill=False, full_attn_spans=req["spans"])
 
 
-def run(layers, req: dict, around=None, *, autocast: torch.dtype | None = torch.bfloat16) -> list[torch.Tensor]:
+def run(layers, req: dict, around=None, *, autocast: torch.dtype | None = torch.bfloat16,
+        start: int = 0) -> list[torch.Tensor]:
     """Prefill + every step through all layers; returns every forward's output (float32).
 
     around(phase, mask): a context per forward (the paged adapter's plan); autocast: the pipeline's bf16 autocast,
-    or None to run in the layers' own dtype (fp32 runs also need `vllm_omni_cpu.hunyuan_fp32_rope()`)."""
+    or None to run in the layers' own dtype (fp32 runs also need `vllm_omni_cpu.hunyuan_fp32_rope()`); start: the
+    first forward to run (0: the prefill, 1: the first step, ...)."""
     around = around or (lambda phase, mask: contextlib.nullcontext())
     outs = []
     for i, hidden in enumerate(req["hidden"]):
+        if i < start:
+            continue
         kwargs = layer_kwargs(req, i == 0)
         cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with torch.no_grad(), cast, around("prefill" if i == 0 else "step", kwargs["attention_mask"]):
