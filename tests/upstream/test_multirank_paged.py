@@ -85,7 +85,7 @@ def test_tensor_parallel_hunyuan_paged_matches_dense_and_one_rank(omni, omni_ctx
         assert out["bytes"] * 2 == out["one_rank_bytes"]
         # the one-rank test's compile figures, unchanged by the collectives: 3 frames, every site rewritten
         assert out["frames"] == 3 and set(out["statuses"]) == {"rewritten"}
-        assert out["patterns"] == ["hunyuan-prefill"] + ["hunyuan-prefix-step"] * 2
+        assert out["patterns"] == ["prefill-store"] + ["prefix-step"] * 2
         assert out["host_syncs"] == [] and out["collectives"] == TP_COLLECTIVES, "only the model's o/down all-reduces"
         assert out["votes"] == 2 + 2 * 4, "admit, release, and two votes per forward (plan, end)"
     _same_final_state(outs)
