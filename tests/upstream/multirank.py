@@ -56,15 +56,19 @@ def _resolve(module: str, name: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results, stack_path: str) -> None:
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, stack_path: str, engine: bool) -> None:
     """One rank: join the world, then run tasks until told to stop (None)."""
     stacks = open(stack_path, "w")  # noqa: SIM115 - kept open for faulthandler for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)  # 2 ranks on 2 cores: one intra-op thread each
     try:
-        from . import vllm_omni_cpu
+        if engine:
+            from . import vllm_omni_cpu
 
-        vllm_omni_cpu.init_distributed(rank=rank, world_size=world_size, init_method=f"file://{init_file}")
+            vllm_omni_cpu.init_distributed(rank=rank, world_size=world_size, init_method=f"file://{init_file}")
+        else:
+            torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                                 world_size=world_size)
         results.put((rank, -1, "ok", os.getpid()))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, -1, "error", traceback.format_exc()))
@@ -81,10 +85,12 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, stack_pa
 
 
 class RankPool:
-    """`world_size` gloo ranks in worker processes (see the module docstring)."""
+    """`world_size` gloo ranks in worker processes (see the module docstring). engine=False: a plain gloo world,
+    without vllm-omni (its imports are most of a rank's start-up)."""
 
-    def __init__(self, world_size: int = 2) -> None:
+    def __init__(self, world_size: int = 2, *, engine: bool = True) -> None:
         self.world_size = world_size
+        self.engine = engine
         self.procs: list = []
         self.parallel: dict[str, int] | None = None  # the model-parallel sizes last set up
         self._next_id = 0
@@ -103,22 +109,24 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         for r in range(self.world_size):  # spawn hands the workers this process's sys.path
             p = ctx.Process(target=_worker, name=f"rank{r}", daemon=True,
-                            args=(r, self.world_size, init_file, self._tasks[r], self._results, self._stacks[r]))
+                            args=(r, self.world_size, init_file, self._tasks[r], self._results, self._stacks[r],
+                                  self.engine))
             p.start()
             self.procs.append(p)
         self.parallel = None
         self._collect(-1, START_TIMEOUT_S, "start (spawn, imports, init_distributed_environment)")
         self.start_s = time.perf_counter() - t0
 
-    def close(self) -> None:
-        """Stop the workers (politely, then by force) and remove the store."""
+    def close(self, *, force: bool = False) -> None:
+        """Stop the workers (politely, then by force; at once with `force`: a rank stuck in a collective never
+        reads its queue) and remove the store."""
         for q in getattr(self, "_tasks", []):
             try:
                 q.put(None)
             except Exception:  # noqa: BLE001 - the queue may be broken already
                 pass
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=0 if force else 10)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -202,7 +210,7 @@ class RankPool:
 
     def _fail(self, message: str, got: dict) -> None:
         errors = "".join(f"\n---- rank {r} ----\n{p}" for r, (s, p) in sorted(got.items()) if s == "error")
-        self.close()
+        self.close(force=True)
         raise RankError(message + errors)
 
 

@@ -13,7 +13,7 @@ import torch
 from . import vllm_omni_cpu as omni_cpu
 from .dreamzero_pipeline import DenseKV, run_session
 from .hunyuan_request import LAYERS, max_err, request, run
-from .multirank import hang_on_rank, load_full_weights, raise_on_rank, rank_info, sync_check, RankError
+from .multirank import RankError, RankPool, hang_on_rank, load_full_weights, raise_on_rank, rank_info, sync_check
 
 ATOL = 1e-5  # fp32 oracle bound
 DZ_CALLS = 5  # three pipeline calls and a window reset after the second: commits, denoising steps, reset
@@ -99,22 +99,23 @@ def test_cfg_parallel_dreamzero_dense_matches_one_rank(omni, omni_ctx, ranks):
         assert err <= ATOL
 
 
-def test_multirank_harness_reports_errors_and_hangs(ranks):
+def test_multirank_harness_reports_errors_and_hangs():
     """Both ranks answer a collective; a rank's exception comes back with its traceback; a rank stuck in a
-    collective fails the call within its timeout with its stack, and the next call gets a fresh pool. (Last in the
-    module: it stops the shared pool.)"""
-    assert ranks.run(sync_check, 0.5) == [[0.5, 0.5], [0.5, 0.5]]
-    try:
-        ranks.run(raise_on_rank, 1, "only rank 1 fails")
-    except RankError as e:
-        assert "rank(s) [1]" in str(e) and "ValueError: only rank 1 fails" in str(e)
-    else:
-        raise AssertionError("rank 1's exception did not come back")
-    try:
-        ranks.run(hang_on_rank, 0, timeout=3)
-    except RankError as e:
-        assert "did not answer within 3 s" in str(e) and "hang_on_rank" in str(e) and "barrier" in str(e)
-    else:
-        raise AssertionError("a hung rank did not fail the call")
-    assert not ranks.procs, "a pool whose collectives hung is stopped"
-    assert [info["rank"] for info in ranks.run(rank_info)] == [0, 1]
+    collective fails the call within its timeout with its stack, and the next call gets a fresh pool. (A pool of
+    its own, without vllm-omni: a hang stops the pool it happens in.)"""
+    with RankPool(2, engine=False) as pool:
+        assert pool.run(sync_check, 0.5) == [[0.5, 0.5], [0.5, 0.5]]
+        try:
+            pool.run(raise_on_rank, 1, "only rank 1 fails")
+        except RankError as e:
+            assert "rank(s) [1]" in str(e) and "ValueError: only rank 1 fails" in str(e)
+        else:
+            raise AssertionError("rank 1's exception did not come back")
+        try:
+            pool.run(hang_on_rank, 0, timeout=3)
+        except RankError as e:
+            assert "did not answer within 3 s" in str(e) and "hang_on_rank" in str(e) and "barrier" in str(e)
+        else:
+            raise AssertionError("a hung rank did not fail the call")
+        assert not pool.procs, "a pool whose collectives hung is stopped"
+        assert pool.run(sync_check, 1.0) == [[1.0, 1.0], [1.0, 1.0]], "the next call starts a fresh pool"
