@@ -29,6 +29,8 @@ from .rank_scenarios import HUNYUAN_ONE_RANK, DreamZeroRank, HunyuanRank, start_
 ATOL = 1e-5
 FAULTY_RANK = 1
 DIVERGE_AT = 7  # TP 2 runs both branches on every rank: the first call is 6 forwards, the 7th a commit
+#: the second call's first forward (a chunk commit) by branches per rank: a call is (commit + 2 steps) per branch
+FIRST_CHUNK_COMMIT = {2: 7, 1: 4}
 
 
 class InjectedFault(RuntimeError):
@@ -86,8 +88,9 @@ def _shrunk_rank_runtime(rank: DreamZeroRank, blocks_per_layer: int) -> None:
 
 
 def dreamzero_fault_task(state: dict, where: str) -> dict:
-    """A session whose 4th forward (the second commit) raises on rank 1 only, `where`: inside block 1 (after block 0
-    wrote its K/V) or in the head after the last block (after every TP all-reduce). Then a fresh session."""
+    """A session whose first chunk commit (the second call's first forward: new blocks taken) raises on rank 1 only,
+    `where`: inside block 1 (after block 0 wrote its K/V) or in the head after the last block (after every TP
+    all-reduce). Then a fresh session on the same runtimes."""
     with omni_cpu.model_context():
         rank = DreamZeroRank(state, digest_every=1)
         armed = {"on": False}
@@ -100,7 +103,7 @@ def dreamzero_fault_task(state: dict, where: str) -> dict:
         target.register_forward_pre_hook(hook)
         rank.admit("s")
         kv = _Recorder(rank.model, rank.runtime, "s", lambda kind, branch: rank.forward("s", kind, branch),
-                       fault_at=4 if len(rank.branches) == 2 else 2, arm=lambda on: armed.update(on=on))
+                       fault_at=FIRST_CHUNK_COMMIT[len(rank.branches)], arm=lambda on: armed.update(on=on))
         with torch.no_grad(), start_frame_is_a_value():
             outcome = _outcome(lambda: run_session(rank.model, kv, calls=3))
         after = rank.runtime.state()
@@ -110,7 +113,7 @@ def dreamzero_fault_task(state: dict, where: str) -> dict:
             clean = run_session(rank.model, rank.kv("s2"), calls=3)
         for sid in ("s", "s2"):
             rank.runtime.release(sid)
-        return {"outcome": outcome, "before": kv.before, "after": after, "forwards_run": kv.count,
+        return {"outcome": outcome, "before": kv.before, "after": after, "failed_at": kv.count,
                 "clean_video": clean["video"], "clean_actions": clean["actions"], **rank.report()}
 
 
@@ -216,8 +219,9 @@ def _one_rank_dense(omni, calls: int = 3):
         return model.state_dict(), run_session(model, DenseKV(model), calls=calls)
 
 
-def _check_fault(outs: list[dict], one: dict) -> None:
+def _check_fault(outs: list[dict], one: dict, branches: int) -> None:
     for r, out in enumerate(outs):
+        assert out["failed_at"] == FIRST_CHUNK_COMMIT[branches], "the fault hit the chunk commit"
         name, message = out["outcome"]
         if r == FAULTY_RANK:
             assert name == "InjectedFault", out["outcome"]
@@ -232,13 +236,13 @@ def _check_fault(outs: list[dict], one: dict) -> None:
 def test_cfg_parallel_fault_inside_one_ranks_block_rolls_back_every_rank(omni, omni_ctx, ranks):
     state, one = _one_rank_dense(omni)
     ranks.setup(cfg_parallel_size=2)
-    _check_fault(ranks.run(dreamzero_fault_task, state, "block"), one)
+    _check_fault(ranks.run(dreamzero_fault_task, state, "block"), one, branches=1)
 
 
 def test_tensor_parallel_fault_after_one_ranks_last_collective_rolls_back_every_rank(omni, omni_ctx, ranks):
     state, one = _one_rank_dense(omni)
     ranks.setup(tensor_parallel_size=2)
-    _check_fault(ranks.run(dreamzero_fault_task, state, "head"), one)
+    _check_fault(ranks.run(dreamzero_fault_task, state, "head"), one, branches=2)
 
 
 def test_cfg_parallel_refusal_on_one_rank_is_a_refusal_on_every_rank(omni, omni_ctx, ranks):

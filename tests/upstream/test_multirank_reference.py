@@ -72,6 +72,16 @@ def hunyuan_task() -> dict:
     return {"latents": latents, "kv_heads": model.layers[0].self_attn.num_kv_heads, **_hygiene(backend, runtime)}
 
 
+def config_task() -> dict:
+    """This rank's ParallelConfig read from vllm-omni, and what an explicit one that disagrees gets."""
+    engine = ParallelConfig.from_vllm_omni()
+    try:
+        RankRuntime(PagedKVRuntime(hunyuan_runtime_config(HY, max_prefix=12)), ParallelConfig(cfg_parallel=2))
+    except Exception as e:  # noqa: BLE001 - compared by the test
+        return {"engine": engine, "error": (type(e).__name__, str(e))}
+    return {"engine": engine, "error": None}
+
+
 def _dreamzero_dense() -> dict:
     return dreamzero_rollout(DreamZeroModel(DZ, seed=1), **DZ_LOOP)
 
@@ -92,6 +102,11 @@ def test_tensor_parallel_reference_models_match_one_rank(ranks):
     dense_dz = _dreamzero_dense()
     dense_hy = hunyuan_generate(HunyuanImage3Model(HY, seed=1), HY_PROMPTS, **HY_LOOP)
     ranks.setup(tensor_parallel_size=2)
+    for r, out in enumerate(ranks.run(config_task)):
+        assert out["engine"] == ParallelConfig(tensor_parallel=2, tp_rank=r)
+        name, message = out["error"]
+        assert name == "ConfigError" and "tensor_parallel: given 1, vllm-omni has 2" in message
+        assert "cfg_parallel: given 2, vllm-omni has 1" in message
     for r, out in enumerate(ranks.run(dreamzero_task)):
         err = max((out[k] - dense_dz[k]).abs().max().item() for k in ("video", "actions"))
         print(f"[figure] reference DreamZero TP 2 rank {r}: paged vs one-rank dense {err:.2e}")
