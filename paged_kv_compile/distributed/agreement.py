@@ -102,7 +102,7 @@ class Agreement:
             name, message = first["error"]
             what = f"{ballot.call[0]} {ballot.call[1:3]!r}"
             cls = getattr(errors, name, None)
-            if isinstance(cls, type) and issubclass(cls, errors.PagedKVError) and cls not in (DivergenceError,):
+            if isinstance(cls, type) and issubclass(cls, errors.PagedKVError):
                 raise cls(f"rank {first['rank']} refused {what}: {message}. Every rank refused it; nothing changed")
             raise RankFaultError(
                 f"rank {first['rank']} failed in {what} with {name}: {message}. The forward was rolled back on every "

@@ -21,6 +21,7 @@ Nothing here imports vLLM or vllm-omni until `from_vllm_omni` is called.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 from ..config import PagedKVConfig
@@ -182,12 +183,10 @@ class ParallelConfig:
 
 
 def _engine_or_none() -> ParallelConfig | None:
-    """vllm-omni's configuration when it is installed and its groups are initialised, else None."""
-    try:
-        from vllm_omni.diffusion.distributed import parallel_state as ps
-    except ImportError:
-        return None
-    if not ps.model_parallel_is_initialized():
+    """vllm-omni's configuration when its groups are initialised in this process, else None. Not imported here: a
+    process whose engine set up groups has imported vllm-omni's parallel_state already."""
+    ps = sys.modules.get("vllm_omni.diffusion.distributed.parallel_state")
+    if ps is None or not ps.model_parallel_is_initialized():
         return None
     return ParallelConfig.from_vllm_omni()
 

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import ConfigError, RequestError
+from ..errors import ConfigError
 from ..runtime import PagedKVRuntime
 from .agreement import Agreement, Ballot, digest
 from .parallel_config import ParallelConfig
@@ -56,8 +57,12 @@ _REFUSED = frozenset({"plan", "forward_plan"})
 def model_parallel_cpu_group() -> Any:
     """The gloo group of the ranks that serve one request together, from vllm-omni: its world's CPU group when
     there is no data parallelism (each data-parallel replica serves other requests and needs a group of its own)."""
-    from vllm_omni.diffusion.distributed import parallel_state as ps
-
+    ps = sys.modules.get("vllm_omni.diffusion.distributed.parallel_state")
+    if ps is None or not ps.model_parallel_is_initialized():
+        raise ConfigError(
+            "vllm-omni's parallel groups are not initialised in this process: pass RankRuntime(group=...) a gloo "
+            "process group of the ranks that serve one request together (e.g. torch.distributed.group.WORLD)"
+        )
     if ps.get_data_parallel_world_size() != 1:
         raise ConfigError(
             f"data parallel size {ps.get_data_parallel_world_size()}: replicas serve different requests, so each needs "

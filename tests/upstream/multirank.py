@@ -23,7 +23,6 @@ import importlib
 import os
 import queue
 import signal
-import sys
 import tempfile
 import time
 import traceback
