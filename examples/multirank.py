@@ -12,8 +12,10 @@ model (eager, fp32); prints max |paged - dense| and each rank's KV bytes, exits 
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ import torch.multiprocessing as mp
 
 ATOL = 1e-5
 INNER_COMPILER = "aot_eager"
+TIMEOUT_S = 900  # a rank that fails leaves the other waiting in a collective: never wait forever
 
 
 def _compile(blocks) -> None:
@@ -79,29 +82,40 @@ def _rank(rank: int, world: int, init_file: str, results) -> None:
     try:
         results.put((rank, "dreamzero", dreamzero_cfg_parallel(rank)))
         results.put((rank, "hunyuan", hunyuan_tensor_parallel(rank)))
+    except BaseException:
+        import traceback
+
+        results.put((rank, "error", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
-    world = 2
+    world, deadline = 2, time.monotonic() + TIMEOUT_S
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    got: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "store"), results)) for r in range(world)]
         for p in procs:
             p.start()
-        got = {}
-        while len(got) < 2 * world and any(p.is_alive() for p in procs) or not results.empty():
+        while len(got) < 2 * world and time.monotonic() < deadline:
             try:
                 rank, what, out = results.get(timeout=1)
-            except Exception:  # noqa: BLE001 - queue.Empty: poll the processes again
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
                 continue
+            if what == "error":  # the other rank may now wait in a collective forever: stop both
+                print(f"rank {rank} failed:\n{out}", file=sys.stderr)
+                break
             got[(rank, what)] = out
         for p in procs:
-            p.join(timeout=60)
-    if len(got) < 2 * world or any(p.exitcode for p in procs):
-        print(f"a rank failed (exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
+            p.join(timeout=30 if len(got) == 2 * world else 0)
+            if p.is_alive():
+                p.kill()
+    if len(got) < 2 * world:
+        print(f"the ranks did not finish (got {sorted(got)}; limit {TIMEOUT_S} s)", file=sys.stderr)
         return 1
     ok = True
     for what, title in (("dreamzero", "DreamZero, CFG-parallel 2 (one branch per rank)"),
