@@ -120,16 +120,19 @@ class RankRuntime:
 
     # ---- digests --------------------------------------------------------------------------------
     def _decisions(self, call: tuple) -> int:
-        """What every rank must share: the call counter, owners in LRU order with family, rows, version, phases."""
+        """What every rank must share: the call counter, owners in LRU order with family, rows, version, phases and
+        admission serial."""
         sched = self.runtime.scheduler
-        owners = tuple((o.owner_id, o.family, o.num_rows, o.version, tuple(sorted(o.phases_done)))
+        owners = tuple((o.owner_id, o.family, o.num_rows, o.version, tuple(sorted(o.phases_done)), o.serial)
                        for o in sched.owners.values())
         return digest(self.calls, owners, sched.in_flight is not None)
 
     def _geometry(self, args: Any) -> int:
-        """What the ranks of one symmetric group must share: every owner's block ids, free blocks, regions, args."""
+        """What the ranks of one symmetric group must share: every owner's block ids and block reservations, free
+        blocks, regions, the call's arguments (reservations are block counts: CFG ranks' rows may differ)."""
         sched = self.runtime.scheduler
-        tables = [np.asarray([len(o.rows)] + [b for row in o.rows for b in (len(row), *row)], dtype=np.int64).tobytes()
+        tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget]
+                             + [b for row in o.rows for b in (len(row), *row)], dtype=np.int64).tobytes()
                   for o in sched.owners.values()]
         regions = sched.regions.snapshot()["held"] if sched.regions.held else {}
         return digest(sched.allocator.num_free, b"".join(tables), regions, _arg_repr(args))
@@ -183,8 +186,9 @@ class RankRuntime:
     def abort(self, owner_id: str) -> None:
         self._lifecycle("abort", owner_id, None, lambda: self.runtime.abort(owner_id))
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        self._lifecycle("fork", parent_id, child_id, lambda: self.runtime.fork(parent_id, child_id))
+    def fork(self, parent_id: str, child_id: str, **args: Any) -> None:
+        """`PagedKVRuntime.fork` on every rank or none (args: the family's, e.g. DreamZero's `commits=` budget)."""
+        self._lifecycle("fork", parent_id, (child_id, args), lambda: self.runtime.fork(parent_id, child_id, **args))
 
     # ---- forwards ------------------------------------------------------------------------------------
     def forward(self, owner_id: str, kind: str, **args: Any) -> contextlib.AbstractContextManager:

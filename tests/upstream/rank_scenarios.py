@@ -19,7 +19,7 @@ from paged_kv_compile.families.dreamzero import DreamZeroSpec
 
 from . import vllm_omni_cpu as omni_cpu
 from .dreamzero_pipeline import PagedKV, local_branches
-from .hunyuan_request import LAYERS, request
+from .hunyuan_pipeline import LAYERS, request_inputs
 from .multirank import load_full_weights, rank_info
 
 START_FRAME_IS_A_VALUE = "L['current_start_frame']"  # as test_dreamzero_vllm_omni.py: one frame per bucket
@@ -78,10 +78,6 @@ class HunyuanRank:
         return {**hygiene(self.backend), **rank_info(), "bytes": self.runtime.pool.nbytes,
                 "one_rank_bytes": KVPool.nbytes_for(HUNYUAN_ONE_RANK), "kv_heads": self.runtime.config.num_kv_heads,
                 "votes": self.runtime.agreement.votes, "state": self.runtime.state()}
-
-
-def hunyuan_request() -> dict:
-    return request()
 
 
 # ---- DreamZero -----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 from . import vllm_omni_cpu as omni_cpu
 from .dreamzero_pipeline import DenseKV, run_session
-from .hunyuan_request import LAYERS, max_err, request, run
+from .hunyuan_pipeline import LAYERS, max_err, request_inputs, run_layers
 from .multirank import RankError, RankPool, hang_on_rank, load_full_weights, raise_on_rank, rank_info, sync_check
 
 ATOL = 1e-5  # fp32 oracle bound
@@ -28,7 +28,7 @@ def hunyuan_layers_dense(states: list[dict]) -> list[torch.Tensor]:
         layers = [omni_cpu.tiny_hunyuan_layer(layer_idx=i) for i in range(LAYERS)]
         for layer, state in zip(layers, states):
             load_full_weights(layer, state)
-        return run(layers, request(), autocast=None)
+        return run_layers(layers, request_inputs(), autocast=None)
 
 
 def dreamzero_dense(state: dict, calls: int = DZ_CALLS) -> dict:
@@ -49,7 +49,7 @@ def dreamzero_dense(state: dict, calls: int = DZ_CALLS) -> dict:
 def _hunyuan_one_rank(omni):
     layers = [omni.tiny_hunyuan_layer(seed=10 + i, layer_idx=i) for i in range(LAYERS)]
     with omni.hunyuan_fp32_rope():
-        return [layer.state_dict() for layer in layers], run(layers, request(), autocast=None)
+        return [layer.state_dict() for layer in layers], run_layers(layers, request_inputs(), autocast=None)
 
 
 def _dreamzero_one_rank(omni):

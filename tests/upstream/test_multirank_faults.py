@@ -2,8 +2,8 @@
 
 Each scenario runs vllm-omni's real layers on a `RankRuntime` per rank (rank_scenarios.py) and compares each rank's
 whole `runtime.state()` before and after, as the one-rank reliability tests do:
-  * a refusal on ONE rank (its pool is smaller: a deployment with less free memory on one GPU) -- an admission,
-    then a commit that needs blocks -- is a refusal on every rank; the ranks that had applied it restore;
+  * a refusal on ONE rank -- an admission its smaller pool cannot reserve (less free memory on that GPU), a forward
+    its runtime cannot serve -- is a refusal on every rank; the ranks that had applied or planned it roll back;
   * an exception inside ONE rank's forward rolls the forward back on every rank; afterwards the ranks are still
     in step: a new session on the same runtimes equals one-rank dense eager;
   * a rank whose runtime was changed outside the agreed calls makes every rank raise DivergenceError before any
@@ -17,13 +17,13 @@ import dataclasses
 
 import torch
 
-from paged_kv_compile import PagedKVRuntime
+from paged_kv_compile import Bucket, PagedKVRuntime
 from paged_kv_compile.distributed import ParallelConfig, RankRuntime
 from paged_kv_compile.families.dreamzero import session_blocks_per_row
 
 from . import vllm_omni_cpu as omni_cpu
 from .dreamzero_pipeline import DenseKV, PagedKV, run_session
-from .hunyuan_request import LAYERS, request, run
+from .hunyuan_pipeline import LAYERS, request_inputs, run_layers
 from .rank_scenarios import HUNYUAN_ONE_RANK, DreamZeroRank, HunyuanRank, start_frame_is_a_value
 
 ATOL = 1e-5
@@ -73,12 +73,13 @@ class _Recorder(PagedKV):
         return self._forward_recorded(kind, branch)
 
 
-def _shrunk_rank_runtime(rank: DreamZeroRank, blocks_per_layer: int) -> None:
-    """Give FAULTY_RANK a smaller pool (less free memory on that GPU); the other rank keeps the planned one."""
+def _other_rank_runtime(rank: DreamZeroRank, **changes) -> None:
+    """Give FAULTY_RANK a runtime whose config differs by `changes` (say a smaller pool: less free memory on that
+    GPU); the other rank gets the planned one."""
     parallel = ParallelConfig.from_vllm_omni()
     cfg = parallel.rank_config(rank.one_rank)
     if _rank() == FAULTY_RANK:
-        cfg = dataclasses.replace(cfg, blocks_per_layer=blocks_per_layer)
+        cfg = dataclasses.replace(cfg, **changes)
     rank.runtime.close()  # unbinds the model's layers
     rank.runtime = RankRuntime(PagedKVRuntime(cfg), parallel, digest_every=1)
     rank.runtime.bind(rank.model.blocks)
@@ -108,38 +109,37 @@ def dreamzero_fault_task(state: dict, where: str) -> dict:
             outcome = _outcome(lambda: run_session(rank.model, kv, calls=3))
         after = rank.runtime.state()
         armed["on"] = False
+        rank.runtime.release("s")  # the pool reserves one session's loop
         rank.admit("s2")
         with torch.no_grad(), start_frame_is_a_value():
             clean = run_session(rank.model, rank.kv("s2"), calls=3)
-        for sid in ("s", "s2"):
-            rank.runtime.release(sid)
+        rank.runtime.release("s2")
         return {"outcome": outcome, "before": kv.before, "after": after, "failed_at": kv.count,
                 "clean_video": clean["video"], "clean_actions": clean["actions"], **rank.report()}
 
 
 def dreamzero_refusal_task(state: dict) -> dict:
-    """Rank 1's pool is smaller: an admission it cannot hold, then a commit it has no blocks for, are refused on
-    both ranks; every rank's state is unchanged by each."""
+    """Refusals on rank 1 only, each one on both ranks with every rank's state unchanged: an admission its smaller
+    pool cannot reserve, then a forward its runtime cannot serve (its buckets lack the chunk commit's shape: the
+    forward is refused before compute, after rank 0 had planned it)."""
     with omni_cpu.model_context():
         rank = DreamZeroRank(state)
         rows = len(rank.branches)
-        per_row = session_blocks_per_row(rank.spec, rank.runtime.config.block_size)  # what admission checks
-        _shrunk_rank_runtime(rank, blocks_per_layer=per_row * rows - 1)  # less than one session's rows need
+        per_row = session_blocks_per_row(rank.spec, rank.runtime.config.block_size)  # what admission reserves
+        _other_rank_runtime(rank, blocks_per_layer=per_row * rows - 1)
         out = {}
         before = rank.runtime.state()
         out["admit"] = _outcome(lambda: rank.admit("too-big"))
         out["admit_unchanged"] = rank.runtime.state() == before
-        # rank 1 has room for one session's window (what admission checks: it admits both), not for two loops
-        _shrunk_rank_runtime(rank, blocks_per_layer=per_row * rows)
+        chunk_commit = Bucket(rows, rank.spec.chunk_tokens, rank.spec.window_tokens)
+        _other_rank_runtime(rank, buckets=tuple(b for b in rank.runtime.config.buckets if b != chunk_commit))
         rank.admit("a")
-        rank.admit("b")
+        kv = _Recorder(rank.model, rank.runtime, "a", lambda kind, branch: rank.forward("a", kind, branch))
         with torch.no_grad(), start_frame_is_a_value():
-            run_session(rank.model, rank.kv("a"), calls=2)  # a holds its most: a first frame, then a chunk
-            out["free_after_a"] = rank.runtime.state()["num_free"]
-            kv = _Recorder(rank.model, rank.runtime, "b", lambda kind, branch: rank.forward("b", kind, branch))
-            out["commit"] = _outcome(lambda: run_session(rank.model, kv, calls=2))  # b's chunk commit: no room
+            out["forward"] = _outcome(lambda: run_session(rank.model, kv, calls=2))
         out["refused_at"] = kv.count
-        out["commit_unchanged"] = rank.runtime.state() == kv.before
+        out["forward_unchanged"] = rank.runtime.state() == kv.before
+        rank.runtime.release("a")
         out["state"] = rank.runtime.state()
         return out
 
@@ -176,7 +176,7 @@ def hunyuan_fault_task(states: list[dict]) -> dict:
     smaller pool cannot hold)."""
     with omni_cpu.model_context(), omni_cpu.hunyuan_fp32_rope():
         rank = HunyuanRank(states)
-        req = request()
+        req = request_inputs()
         armed = {"on": False}
 
         @contextlib.contextmanager
@@ -188,11 +188,11 @@ def hunyuan_fault_task(states: list[dict]) -> dict:
 
         rank.admit("r", req)
         out = {}
-        run(rank.layers, dict(req, hidden=req["hidden"][:1]), rank.around("r"), autocast=None)  # the prefill
+        run_layers(rank.layers, dict(req, hidden=req["hidden"][:1]), rank.around("r"), autocast=None)  # the prefill
         before = rank.runtime.state()
         armed["on"] = True
         first_step = dict(req, hidden=req["hidden"][:2])
-        out["fault"] = _outcome(lambda: run(rank.layers, first_step, faulty, autocast=None, start=1))
+        out["fault"] = _outcome(lambda: run_layers(rank.layers, first_step, faulty, autocast=None, start=1))
         out["fault_unchanged"] = rank.runtime.state() == before
         armed["on"] = False
         rank.runtime.release("r")
@@ -249,17 +249,15 @@ def test_cfg_parallel_refusal_on_one_rank_is_a_refusal_on_every_rank(omni, omni_
     state, _ = _one_rank_dense(omni, calls=1)
     ranks.setup(cfg_parallel_size=2)
     outs = ranks.run(dreamzero_refusal_task, state)
-    # rank 1: b's first commit takes 1 of the 2 blocks a leaves, its chunk commit (2 blocks, the 4th forward) fails
-    assert outs[FAULTY_RANK]["free_after_a"] == 2 and outs[0]["free_after_a"] > 2
-    assert [out["refused_at"] for out in outs] == [4, 4]
+    assert [out["refused_at"] for out in outs] == [FIRST_CHUNK_COMMIT[1]] * 2, "refused at the chunk commit"
     for r, out in enumerate(outs):
-        for what in ("admit", "commit"):
+        for what, error in (("admit", "CapacityError"), ("forward", "RequestError")):
             name, message = out[what]
-            assert name == "CapacityError", (r, what, out[what])
+            assert name == error, (r, what, out[what])
             if r != FAULTY_RANK:
                 assert f"rank {FAULTY_RANK} refused" in message and "Every rank refused it" in message
             assert out[f"{what}_unchanged"], f"rank {r}: the refused {what} changed the runtime state"
-    assert outs[0]["state"]["versions"] == outs[1]["state"]["versions"]
+    assert outs[0]["state"] == outs[1]["state"]
 
 
 def test_multirank_divergent_rank_raises_everywhere_before_computing(omni, omni_ctx, ranks):

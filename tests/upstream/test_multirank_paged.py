@@ -12,7 +12,7 @@ import torch
 
 from . import vllm_omni_cpu as omni_cpu
 from .dreamzero_pipeline import DenseKV, run_session
-from .hunyuan_request import LAYERS, max_err, request, run
+from .hunyuan_pipeline import LAYERS, max_err, request_inputs, run_layers
 from .rank_scenarios import DreamZeroRank, HunyuanRank, hunyuan_layers, start_frame_is_a_value
 
 ATOL = 1e-5
@@ -26,11 +26,11 @@ TP_COLLECTIVES = ["_c10d_functional.all_reduce", "_c10d_functional.wait_tensor"]
 def hunyuan_tp_task(states: list[dict]) -> dict:
     """Dense eager and paged (shipped adapter, RankRuntime) at this rank's TP, fp32: prefill + 3 steps."""
     with omni_cpu.model_context(), omni_cpu.hunyuan_fp32_rope():
-        req = request()
-        dense = run(hunyuan_layers(states), req, autocast=None)
+        req = request_inputs()
+        dense = run_layers(hunyuan_layers(states), req, autocast=None)
         rank = HunyuanRank(states)
         rank.admit("r", req)
-        paged = run(rank.layers, req, rank.around("r"), autocast=None)
+        paged = run_layers(rank.layers, req, rank.around("r"), autocast=None)
         rank.runtime.release("r")
         return {"dense": dense, "paged": paged, **rank.report()}
 
@@ -52,7 +52,7 @@ def dreamzero_task(state: dict, calls: int = DZ_CALLS) -> dict:
 def _hunyuan_one_rank(omni):
     layers = [omni.tiny_hunyuan_layer(seed=10 + i, layer_idx=i) for i in range(LAYERS)]
     with omni.hunyuan_fp32_rope():
-        return [layer.state_dict() for layer in layers], run(layers, request(), autocast=None)
+        return [layer.state_dict() for layer in layers], run_layers(layers, request_inputs(), autocast=None)
 
 
 def _dreamzero_one_rank(omni):
