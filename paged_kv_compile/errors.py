@@ -38,3 +38,12 @@ class PassError(PagedKVError, RuntimeError):
 
 class CaptureError(PagedKVError, RuntimeError):
     """Warm-up or capture is impossible as asked, or a block call does not match what was captured."""
+
+
+class DivergenceError(PagedKVError, RuntimeError):
+    """Ranks that must make the same decisions did not (different calls, owners or block tables): raised on every
+    rank before anything is computed (distributed/agreement.py)."""
+
+
+class RankFaultError(PagedKVError, RuntimeError):
+    """Another rank of the model-parallel group failed inside this forward; it was rolled back here too."""

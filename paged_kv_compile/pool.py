@@ -98,8 +98,9 @@ class KVPool:
         return 2 * cfg.num_layers * per_layer
 
     @classmethod
-    def from_config(cls, cfg: PagedKVConfig, *, min_tokens_per_layer: int = 0) -> "KVPool":
-        """Size the pool from ``blocks_per_layer`` or from ``budget_bytes`` (scratch and pad included)."""
+    def blocks_per_layer_for(cls, cfg: PagedKVConfig, *, min_tokens_per_layer: int = 0) -> int:
+        """Managed blocks per layer a pool of `cfg` gets: ``blocks_per_layer``, or what ``budget_bytes`` holds after
+        scratch and pad. Raises ConfigError when that is not even one block, or less than `min_tokens_per_layer`."""
         per_block = cls.bytes_per_block_all_layers(cfg) // cfg.num_layers  # one block of one layer
         scratch_blocks = cfg.max_rows * cfg.scratch_blocks_per_row
         if cfg.blocks_per_layer is not None:
@@ -120,9 +121,21 @@ class KVPool:
                 f"{min_tokens_per_layer} tokens; give at least {need} blocks per layer "
                 f"(about {need * per_block * cfg.num_layers + (scratch_blocks + 1) * per_block} bytes)"
             )
+        return blocks
+
+    @classmethod
+    def nbytes_for(cls, cfg: PagedKVConfig) -> int:
+        """The bytes `from_config(cfg)` would allocate (pool, scratch, pad and FP8 scales), without allocating."""
+        blocks = cls.blocks_per_layer_for(cfg)
+        total = cfg.num_layers * blocks + cfg.max_rows * cfg.scratch_blocks_per_row + 1
+        return total * (cls.bytes_per_block_all_layers(cfg) // cfg.num_layers)
+
+    @classmethod
+    def from_config(cls, cfg: PagedKVConfig, *, min_tokens_per_layer: int = 0) -> "KVPool":
+        """Size the pool from ``blocks_per_layer`` or from ``budget_bytes`` (scratch and pad included)."""
         return cls(
             cfg.num_layers,
-            blocks,
+            cls.blocks_per_layer_for(cfg, min_tokens_per_layer=min_tokens_per_layer),
             cfg.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,

@@ -25,7 +25,7 @@ def _main(name: str):
 
 
 def test_every_example_is_tested():
-    tested = {"dreamzero_rollout", "hunyuan_image3_request", "warmup", "graph_dump", "fork_candidates"}
+    tested = {"dreamzero_rollout", "hunyuan_image3_request", "warmup", "graph_dump", "fork_candidates", "multirank"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -74,3 +74,18 @@ def test_an_example_runs_as_a_script(tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "the rewritten attention call:" in done.stdout
+
+
+def test_multirank_runs_two_ranks_as_a_script():
+    """Two spawned gloo ranks (a spawned rank imports its target from the script, so it runs as one): both models,
+    parity on every rank, each rank's pool half the one-rank pool."""
+    root = EXAMPLES.parent
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(EXAMPLES / "multirank.py")], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out = done.stdout
+    assert "DreamZero, CFG-parallel 2" in out and "HunyuanImage-3, tensor parallel 2" in out
+    assert out.count("max |paged - dense|") == 4 and "parity within 1e-5 on every rank" in out
+    assert out.count("KV pool 94,208 bytes (one rank: 184,320)") == 2
+    assert out.count("KV pool 18,432 bytes (one rank: 36,864)") == 2

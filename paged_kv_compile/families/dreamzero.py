@@ -374,9 +374,10 @@ class DreamZeroFamily(Family):
         return dreamzero_block_inputs(model, runtime, bucket)
 
     def standin_caches(self, runtime, model: torch.nn.Module, batch: int, **geometry: Any) -> list[torch.Tensor]:
-        """One zero-stride `(2, batch, window, H, D)` stand-in, the same for every layer."""
+        """One zero-stride `(2, batch, window, H, D)` stand-in, the same for every layer; H is what the attention
+        holds (the rank's heads under tensor parallel, `distributed/reference.py`)."""
         cfg = model.cfg
-        standin = runtime.standin(2, batch, cfg.max_attention_size, cfg.num_heads, cfg.head_dim)
+        standin = runtime.standin(2, batch, cfg.max_attention_size, model.blocks[0].self_attn.num_heads, cfg.head_dim)
         return [standin] * cfg.num_layers
 
     def region_standins(self, runtime, model: torch.nn.Module, batch: int) -> list[torch.Tensor]:

@@ -259,9 +259,11 @@ class HunyuanImage3Family(Family):
 
     def standin_caches(self, runtime, model: torch.nn.Module, batch: int, *, prefix_capacity: int,
                        **geometry: Any) -> list:
-        """Per layer a `HunyuanKVCache` over one writable stand-in (the model stores its prefix in place)."""
+        """Per layer a `HunyuanKVCache` over one writable stand-in (the model stores its prefix in place), with the
+        KV heads the attention holds (the rank's under tensor parallel, `distributed/reference.py`)."""
         cfg = model.cfg
-        standin = runtime.standin(batch, prefix_capacity, cfg.num_kv_heads, cfg.head_dim, writable=True)
+        heads = model.layers[0].self_attn.num_kv_heads
+        standin = runtime.standin(batch, prefix_capacity, heads, cfg.head_dim, writable=True)
         return [HunyuanKVCache(standin, standin) for _ in range(cfg.num_layers)]
 
 

@@ -192,7 +192,7 @@ def _refuse_leftovers(graph: fx.Graph, standins: set[fx.Node], stores: list[fx.N
     live = set(graph.nodes)
     lost_stores = [n for n in stores if n in live]
     allowed = _output_standin_replacements(graph, standins)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=_mutates_or_impure)
     leftovers = list(dict.fromkeys(lost_stores + [u for s in standins for u in s.users if u not in allowed]))
     if leftovers:
         raise PassError(
@@ -245,3 +245,14 @@ def rewrite(
     _refuse_leftovers(graph, inputs.standins, stores)
     gm.recompile()
     return result
+
+
+def _mutates_or_impure(node: fx.Node) -> bool:
+    """What dead-code elimination must keep: FX's default treats in-place methods as pure and drops one whose result
+    is unused, but it writes its input. Dynamo traces a tensor-parallel all-reduce (`dist.all_reduce(x)`, vLLM's
+    RowParallelLinear) as `x.copy_(wait_tensor(all_reduce(x)))`: dropping that copy_ loses the reduction."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.op in ("call_method", "call_function") and isinstance(name, str) and name.endswith("_") \
+            and not name.endswith("__"):
+        return True
+    return node.is_impure()

@@ -24,3 +24,16 @@ def omni_ctx(omni):
     """Build and run vllm-omni layers inside this fixture's context (configs + forward context)."""
     with omni.model_context() as od_config:
         yield od_config
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """Two gloo ranks in worker processes through vllm-omni's parallel_state (multirank.py), started once per
+    test process and shared by every multi-rank test; `ranks.setup(tensor_parallel_size=2)` etc. picks the layout."""
+    from .multirank import RankPool
+
+    pool = RankPool(2)
+    try:
+        yield pool
+    finally:
+        pool.close()

@@ -10,7 +10,9 @@ Per pipeline call (`DreamZeroPipeline.forward`, `_prefill_kv_cache`, `diffuse`):
      whose K/V is thrown away;
   5. the start frame advances by `num_frame_per_block`.
 Every forward runs once per CFG branch (positive, negative) as a separate batch-1 forward with that branch's
-own KV cache; the cross-attention K/V dicts are filled once per session per branch before the first forward
+own KV cache; under CFG-parallel (vllm-omni's CFG group of 2) each rank runs its own branch only (rank 0 the
+positive one) and the predictions are exchanged with the CFG group's `all_gather`, as `CFGParallelMixin.
+predict_noise_maybe_with_cfg` does; the cross-attention K/V dicts are filled once per session per branch before the first forward
 (`_kv_populate_cross`). The model code is the package's; only the cache a forward gets differs between the
 dense oracle (`DenseKV`: the tensors the blocks return, carried forward on commits) and paged mode
 (`PagedKV`: fixed-shape stand-ins, the runtime's plan around each forward).
@@ -83,6 +85,27 @@ def cross_attention_caches(model, context: torch.Tensor) -> list[dict]:
     return out
 
 
+def local_branches() -> tuple[int, ...]:
+    """The CFG branches this rank computes: both, or under CFG-parallel its own (`CFGParallelMixin`: rank 0 runs
+    the positive branch, rank 1 the negative one)."""
+    from vllm_omni.diffusion.distributed import parallel_state as ps
+
+    if not ps.is_cfg_group_initialized() or ps.get_classifier_free_guidance_world_size() == 1:
+        return BRANCHES
+    return (ps.get_classifier_free_guidance_rank(),)
+
+
+def _gather_branches(preds: dict) -> dict:
+    """Both branches' predictions on every rank: the CFG group's all_gather, when each rank computed one."""
+    if len(preds) == len(BRANCHES):
+        return preds
+    from vllm_omni.diffusion.distributed.parallel_state import get_cfg_group
+
+    (local,) = preds.values()
+    gathered = [get_cfg_group().all_gather(t.contiguous(), separate_tensors=True) for t in local]
+    return {b: tuple(g[b] for g in gathered) for b in BRANCHES}
+
+
 def run_session(model, kv, *, calls: int, frame_hw: tuple[int, int] = (4, 8), steps: int = 2, seed: int = 0,
                 cfg_scale: float = 2.0) -> dict:
     """`calls` pipeline calls of one session; returns per call the video/action predictions and resets."""
@@ -95,7 +118,8 @@ def run_session(model, kv, *, calls: int, frame_hw: tuple[int, int] = (4, 8), st
     assert h * w // 4 == fs, f"frame_hw {frame_hw} does not give the model's frame_seqlen {fs} (patch 1x2x2)"
     text = torch.randn(1, model.text_len, model.text_embedding[0].in_features, generator=g)
     contexts = {0: text, 1: torch.zeros_like(text)}  # negative branch: the empty prompt's embedding
-    cross = {b: cross_attention_caches(model, contexts[b]) for b in BRANCHES}
+    mine = local_branches()
+    cross = {b: cross_attention_caches(model, contexts[b]) for b in mine}
     state = torch.randn(1, nstate, model.state_encoder.layer1.W.shape[1], generator=g)
     csf, videos, actions, resets, forwards = 0, [], [], [], []
 
@@ -114,21 +138,22 @@ def run_session(model, kv, *, calls: int, frame_hw: tuple[int, int] = (4, 8), st
             csf = 0
             resets.append(index)
         if csf == 0:
-            for b in BRANCHES:
+            for b in mine:
                 call("commit", obs[:, :, :1], torch.zeros(1, 1, dtype=torch.long), fs, 0, b)
             csf = 1
         if csf != 1:
-            for b in BRANCHES:
+            for b in mine:
                 call("commit", obs, torch.zeros(1, nfpb, dtype=torch.long), nfpb * fs, csf - nfpb, b)
         noisy = torch.randn(1, 4, nfpb, h, w, generator=g)
         noisy_action = torch.randn(1, nact, 4, generator=g)
         for step in range(steps):
             t = 1000 - step * (1000 // steps)
             preds = {}
-            for b in BRANCHES:
+            for b in mine:
                 preds[b] = call("denoise", noisy, torch.full((1, nfpb), t, dtype=torch.long), nfpb * fs, csf, b,
                                 action=noisy_action, timestep_action=torch.full((1, nact), t, dtype=torch.long),
                                 state=state)
+            preds = _gather_branches(preds)
             video = preds[1][0] + cfg_scale * (preds[0][0] - preds[1][0])
             action = preds[1][1] + cfg_scale * (preds[0][1] - preds[1][1])
             noisy, noisy_action = noisy - 0.2 * video, noisy_action - 0.2 * action

@@ -4,7 +4,8 @@ bf16 under CPU autocast, CFG rows RIGHT-padded ([prompt | timestep + image | <eo
 `_prepare_attention_mask_for_generation`: causal with each image span bidirectional), RoPE tables from
 `build_batch_2d_rope` gathered by position (`get_pos_emb`), and every later step's position_ids and mask made by
 the pipeline's own `_update_model_kwargs_for_generation` (the <eoi> the prefill has is not fed again).
-Used by tests/upstream/test_vllm_omni_hunyuan.py and benchmarks/vs_vllm_omni.py.
+Used by tests/upstream/test_vllm_omni_hunyuan.py, the multi-rank tests (fp32, per rank) and
+benchmarks/vs_vllm_omni.py.
 """
 
 from __future__ import annotations
@@ -62,14 +63,19 @@ def layer_kwargs(req, first: bool):
                 uncond_cfg_prefill=False, full_attn_spans=req["spans"])
 
 
-def run_layers(layers, req, around=None):
-    """Prefill + STEPS steps through all layers; returns every forward's output (float32)."""
+def run_layers(layers, req, around=None, *, autocast: torch.dtype | None = torch.bfloat16, start: int = 0):
+    """Prefill + STEPS steps through all layers; returns every forward's output (float32).
+
+    autocast: the pipeline's bf16 autocast, or None to run in the layers' own dtype (an fp32 run also needs
+    `vllm_omni_cpu.hunyuan_fp32_rope()`); start: the first forward to run (0: the prefill, 1: the first step)."""
     around = around or (lambda phase, mask: contextlib.nullcontext())
     outs = []
     for i, hidden in enumerate(req["hidden"]):
+        if i < start:
+            continue
         kwargs = layer_kwargs(req, i == 0)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), \
-                around("prefill" if i == 0 else "step", kwargs["attention_mask"]):
+        cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with torch.no_grad(), cast, around("prefill" if i == 0 else "step", kwargs["attention_mask"]):
             for layer in layers:
                 (hidden,) = layer(hidden, **kwargs)
         outs.append(hidden.float())
@@ -80,7 +86,8 @@ def tiny_layers(omni):
     return [omni.tiny_hunyuan_layer(seed=10 + i, layer_idx=i) for i in range(LAYERS)]
 
 
-def max_err(a, b, valid_prefill):
-    errs = [(x - y).abs()[valid_prefill].max() if i == 0 else (x - y).abs().max() for i, (x, y) in
-            enumerate(zip(a, b))]
+def max_err(a, b, valid_prefill=None):
+    """Max |a - b| over every forward's output; the prefill's only where `valid_prefill` (None: everywhere)."""
+    errs = [(x - y).abs()[valid_prefill].max() if i == 0 and valid_prefill is not None else (x - y).abs().max()
+            for i, (x, y) in enumerate(zip(a, b))]
     return max(float(e) for e in errs)

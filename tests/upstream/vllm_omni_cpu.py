@@ -139,19 +139,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
-    """A one-rank gloo world with vllm-omni's parallel groups (tensor/sequence/CFG parallel size 1)."""
+def init_distributed(*, rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
+    """Join a gloo world through vllm-omni's own `parallel_state` (once per process).
+
+    One rank (the default): model-parallel groups of size 1 are made too. Several ranks (`multirank.py`): each
+    worker passes its rank, the world size and a shared `init_method` (a `file://` store), and sets up the
+    model-parallel groups it needs afterwards (`multirank.setup_model_parallel`)."""
     global _DIST_READY
     install()
     if _DIST_READY:
         return
     from vllm_omni.diffusion.distributed import parallel_state as ps
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method="env://",
-                                    backend="gloo")
-    if not ps.model_parallel_is_initialized():
+    if init_method is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        init_method = "env://"
+    ps.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
+                                    distributed_init_method=init_method, backend="gloo")
+    if world_size == 1 and not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(backend="gloo")
     _DIST_READY = True
 
@@ -287,3 +293,39 @@ def tiny_dreamzero_model(
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.1))
     return model.eval()
+
+
+def _rope2d_keep_dtype(self, q, k, hidden_states, custom_pos_emb, **kwargs):
+    """`HunYuanRotary2DEmbedder.__call__` (hunyuan_image3_transformer.py, vllm-omni 0.30.0) line for line, except
+    the last two lines: q and k keep the input's dtype instead of `.to(torch.bfloat16)`."""
+    hidden_states_shape = hidden_states.shape
+    hidden_states = hidden_states.reshape(-1, hidden_states_shape[-1])
+    if kwargs.get("mode", "gen_text") != "gen_image":
+        return q, k
+    first_step = kwargs.get("first_step", False)
+    cos, sin = self._prepare_cos_sin(custom_pos_emb, first_step, q.device)
+    query_lens = kwargs.get("query_lens")
+    bs, q_len = len(query_lens), query_lens[0]
+    assert hidden_states.shape[0] == bs * q_len, f"{hidden_states.shape[0]} != {bs * q_len}"
+    dtype = q.dtype
+    q = q.reshape(bs, q_len, self.num_heads, self.head_dim)
+    k = k.reshape(bs, q_len, self.num_kv_heads, self.head_dim)
+    q = self.rope(q.to(torch.float32), cos, sin)
+    k = self.rope(k.to(torch.float32), cos, sin)
+    q = q.reshape(hidden_states.shape[0], self.num_heads * self.head_dim).to(dtype)
+    k = k.reshape(hidden_states.shape[0], self.num_kv_heads * self.head_dim).to(dtype)
+    return q, k
+
+
+@contextlib.contextmanager
+def hunyuan_fp32_rope() -> Iterator[None]:
+    """HunyuanImage-3's 2-D RoPE without its final bf16 cast, so that an fp32 run stays fp32 end to end (the
+    oracle's dtype). The class's `__call__` is swapped for the block, then restored."""
+    from vllm_omni.diffusion.models.hunyuan_image3.hunyuan_image3_transformer import HunYuanRotary2DEmbedder
+
+    original = HunYuanRotary2DEmbedder.__call__
+    HunYuanRotary2DEmbedder.__call__ = _rope2d_keep_dtype
+    try:
+        yield
+    finally:
+        HunYuanRotary2DEmbedder.__call__ = original

@@ -1,0 +1,227 @@
+"""RankRuntime: one rank's PagedKVRuntime whose every state change the whole model-parallel group agrees on.
+
+Why agreement by vote rather than one rank deciding and broadcasting: the decisions (admission, LRU eviction,
+forks, window resets, a HunyuanImage-3 prefill's layout read, a commit's blocks) are deterministic functions of
+the call sequence and of each rank's own state, so ranks that make the same calls reach the same state by
+construction; TP and Ulysses ranks even reach the same block ids. What can differ is what a rank checks against
+its OWN data: a CFG-parallel rank holds its own branch's rows (HunyuanImage-3 rows of different prompt lengths
+need different block counts, so one rank can run out of blocks while another does not) and reads its own mask;
+a rank can fail inside its forward. Broadcasting one rank's decisions would ship block ids that mean nothing to
+a rank with other rows, and would not see the other ranks' failures at all. So each rank decides locally and
+the ranks vote (agreement.py, one small all-reduce):
+
+  * a lifecycle call (admit, reset, release, abort, fork) is applied locally -- the runtime validates before it
+    mutates, so a refusal changes nothing -- then voted on; if any rank refused, the ranks that applied it
+    restore the scheduler state they saved just before, so every rank ends exactly where it started and raises;
+  * a forward is planned and its metadata built (every refusal a forward can meet before compute), then voted
+    on BEFORE the model runs: a rank never enters the model's own collectives (TP all-reduces) alone; after the
+    body (and the runtime's own "every layer ran" check) a second vote decides commit or roll back on every rank,
+    so a fault on one rank rolls back all of them;
+  * every vote carries a digest of the decision state (owners, versions, phases: equal on every rank) and, on
+    lifecycle calls and every `digest_every`-th forward, of the block tables (equal within the TP x Ulysses ranks
+    of one CFG rank): a rank that diverged raises DivergenceError on every rank before anything is computed.
+
+A fault BETWEEN the model's own collectives on one TP rank (say, an exception in layer 0's attention on rank 1
+only) leaves the other ranks waiting in the model's all-reduce, not in ours: that is the engine's collective, and
+vLLM behaves the same. The runtime's own checks inside compiled sites depend only on the plan and the compiled
+expectation, which symmetric ranks share, so they fail on all of them or none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..runtime import PagedKVRuntime
+from .agreement import Agreement, Ballot, digest
+from .parallel_config import ParallelConfig
+
+#: PagedKVRuntime members a RankRuntime passes through: they read state, or bind and hand out stand-ins
+#: (identical on every rank), or are what compiled sites call during the agreed forward.
+_PASS_THROUGH = frozenset({
+    "config", "pool", "scheduler", "metadata", "active", "generation", "bucket_misses", "bind", "standin",
+    "region_standin", "is_standin", "bucket_for", "allow_unconfigured_buckets", "warmup_forward", "record_layers",
+    "require_active", "check_regions", "check_layout", "check_dense_mask", "owner", "owner_ids", "regions_of",
+    "state", "close",
+})
+#: state-changing members that would bypass the vote
+_REFUSED = frozenset({"plan", "forward_plan"})
+
+
+def model_parallel_cpu_group() -> Any:
+    """The gloo group of the ranks that serve one request together, from vllm-omni: its world's CPU group when
+    there is no data parallelism (each data-parallel replica serves other requests and needs a group of its own)."""
+    ps = sys.modules.get("vllm_omni.diffusion.distributed.parallel_state")
+    if ps is None or not ps.model_parallel_is_initialized():
+        raise ConfigError(
+            "vllm-omni's parallel groups are not initialised in this process: pass RankRuntime(group=...) a gloo "
+            "process group of the ranks that serve one request together (e.g. torch.distributed.group.WORLD)"
+        )
+    if ps.get_data_parallel_world_size() != 1:
+        raise ConfigError(
+            f"data parallel size {ps.get_data_parallel_world_size()}: replicas serve different requests, so each needs "
+            "its own agreement group; pass RankRuntime(group=...) the gloo group of this replica's ranks"
+        )
+    return ps.get_world_group().cpu_group
+
+
+def _arg_repr(value: Any) -> Any:
+    """Call arguments as hashable reprs: tensors by shape and dtype (their content may differ by CFG rank)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(_arg_repr(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _arg_repr(v)) for k, v in value.items()))
+    return value if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+
+
+class RankRuntime:
+    """A `PagedKVRuntime` for one rank, with the generic runtime API; every state change is voted on.
+
+    runtime: this rank's runtime, sized by `ParallelConfig.rank_config`; parallel: explicit configuration, checked
+    against vllm-omni's parallel_state when that is initialised (`ParallelConfig.resolve`); group: the gloo group of
+    the model-parallel ranks (default: `model_parallel_cpu_group()`); digest_every: compare block tables every N
+    forwards (decision digests are compared at every vote; block tables at every lifecycle call too).
+    """
+
+    def __init__(self, runtime: PagedKVRuntime, parallel: ParallelConfig | None = None, *, group: Any = None,
+                 digest_every: int = 16) -> None:
+        if digest_every < 1:
+            raise ConfigError(f"digest_every must be >= 1, got {digest_every}")
+        self.runtime = runtime
+        self.parallel = ParallelConfig.resolve(parallel)
+        self.digest_every = digest_every
+        self.agreement = Agreement(group if group is not None else model_parallel_cpu_group(),
+                                   symmetric_group=self.parallel.cfg_rank, num_symmetric=self.parallel.cfg_parallel)
+        if self.agreement.size != self.parallel.model_parallel_size:
+            raise ConfigError(
+                f"the agreement group has {self.agreement.size} ranks but {self.parallel.describe()} needs "
+                f"{self.parallel.model_parallel_size}: pass the gloo group of exactly the ranks serving one request"
+            )
+        self.calls = 0  # agreed calls so far (every rank counts the same ones)
+        self.forwards = 0  # agreed forwards so far
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _PASS_THROUGH:
+            return getattr(self.runtime, name)
+        if name in _REFUSED:
+            raise AttributeError(
+                f"RankRuntime.{name} is not available: a plan made outside the vote could differ between ranks; use "
+                "`with rank_runtime.forward(owner_id, kind, **args):` (or forward_batch) so that every rank agrees"
+            )
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    # ---- digests --------------------------------------------------------------------------------
+    def _decisions(self, call: tuple) -> int:
+        """What every rank must share: the call counter, owners in LRU order with family, rows, version, phases and
+        admission serial."""
+        sched = self.runtime.scheduler
+        owners = tuple((o.owner_id, o.family, o.num_rows, o.version, tuple(sorted(o.phases_done)), o.serial)
+                       for o in sched.owners.values())
+        return digest(self.calls, owners, sched.in_flight is not None)
+
+    def _geometry(self, args: Any) -> int:
+        """What the ranks of one symmetric group must share: every owner's block ids and block reservations, free
+        blocks, regions, the call's arguments (reservations are block counts: CFG ranks' rows may differ)."""
+        sched = self.runtime.scheduler
+        tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget]
+                             + [b for row in o.rows for b in (len(row), *row)], dtype=np.int64).tobytes()
+                  for o in sched.owners.values()]
+        regions = sched.regions.snapshot()["held"] if sched.regions.held else {}
+        return digest(sched.allocator.num_free, b"".join(tables), regions, _arg_repr(args))
+
+    def _ballot(self, call: tuple, args: Any, *, tables: bool, error: BaseException | None = None) -> Ballot:
+        return Ballot(call=call, error=error, decisions=self._decisions(call),
+                      geometry=self._geometry(args) if tables else 0)
+
+    # ---- lifecycle: apply, vote, restore if any rank refused ------------------------------------------------
+    def _lifecycle(self, operation: str, owner_id: str, args: Any, apply: Callable[[], None]) -> None:
+        call = (operation, owner_id, None, self.calls)
+        ballot = self._ballot(call, args, tables=True)
+        saved = self._save()
+        try:
+            apply()
+        except Exception as e:  # noqa: BLE001 - voted on, then re-raised
+            ballot.error = e
+        try:
+            self.agreement.vote(ballot)
+        except BaseException:
+            if ballot.error is None:
+                self._restore(saved)
+            raise
+        finally:
+            self.calls += 1
+
+    def _save(self) -> dict:
+        """The scheduler's state (everything but the pool tensor), to restore if another rank refuses."""
+        sched = self.runtime.scheduler
+        return copy.deepcopy(vars(sched), memo={id(sched.pool): sched.pool})
+
+    def _restore(self, saved: dict) -> None:
+        vars(self.runtime.scheduler).clear()
+        vars(self.runtime.scheduler).update(saved)
+
+    def admit(self, owner_id: str, spec: Any, rows: int | None = None, *,
+              cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
+              content_keys: Sequence[str | bytes] | None = None) -> None:
+        """`PagedKVRuntime.admit` on every rank or none. Under CFG-parallel each rank admits its own rows (its
+        branch's spec and `rows`): the ranks agree on the decision, not on block counts."""
+        args = {"rows": rows, "spec": type(spec).__name__, "cache_salt": cache_salt, "content_keys": content_keys}
+        self._lifecycle("admit", owner_id, args, lambda: self.runtime.admit(
+            owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt, content_keys=content_keys))
+
+    def reset(self, owner_id: str) -> None:
+        self._lifecycle("reset", owner_id, None, lambda: self.runtime.reset(owner_id))
+
+    def release(self, owner_id: str) -> None:
+        self._lifecycle("release", owner_id, None, lambda: self.runtime.release(owner_id))
+
+    def abort(self, owner_id: str) -> None:
+        self._lifecycle("abort", owner_id, None, lambda: self.runtime.abort(owner_id))
+
+    def fork(self, parent_id: str, child_id: str, **args: Any) -> None:
+        """`PagedKVRuntime.fork` on every rank or none (args: the family's, e.g. DreamZero's `commits=` budget)."""
+        self._lifecycle("fork", parent_id, (child_id, args), lambda: self.runtime.fork(parent_id, child_id, **args))
+
+    # ---- forwards ------------------------------------------------------------------------------------
+    def forward(self, owner_id: str, kind: str, **args: Any) -> contextlib.AbstractContextManager:
+        """`PagedKVRuntime.forward` on every rank: planned, voted on before the model runs, committed or rolled
+        back on every rank together."""
+        return self._forward(("forward", owner_id, kind), args,
+                             lambda: self.runtime.scheduler.plan(owner_id, kind, **args))
+
+    def forward_batch(self, items: Sequence[tuple]) -> contextlib.AbstractContextManager:
+        """`PagedKVRuntime.forward_batch` on every rank (items: (owner_id, kind) or (owner_id, kind, args))."""
+        ids = "+".join(str(item[0]) for item in items)
+        kinds = "+".join(str(item[1]) for item in items)
+        return self._forward(("forward_batch", ids, kinds), list(items),
+                             lambda: self.runtime.scheduler.plan_batch(items))
+
+    @contextlib.contextmanager
+    def _forward(self, what: tuple, args: Any, plan: Callable[[], Any]) -> Iterator[Any]:
+        call = (*what, self.calls)
+        ballot = self._ballot(call, args, tables=self.forwards % self.digest_every == 0)
+        self.calls += 1
+        self.forwards += 1
+        with contextlib.ExitStack() as stack:
+            try:
+                active = stack.enter_context(self.runtime.forward_plan(plan()))
+            except Exception as e:  # noqa: BLE001 - voted on, then re-raised (the runtime gave back what it took)
+                ballot.error = e
+            self.agreement.vote(ballot)  # raises on every rank if any refused: the ExitStack rolls this rank back
+            end = Ballot(call=("end", *what[1:], call[-1]))
+            try:
+                yield active
+                self.runtime._check_all_layers_wrote(active)  # the runtime's own end check, before the vote
+            except BaseException as e:
+                end.error = e
+                self.agreement.vote(end)  # tells the others; re-raises e: this rank rolls back
+                raise  # pragma: no cover - vote() raised already
+            self.agreement.vote(end)  # raises if another rank failed: this rank rolls back too
