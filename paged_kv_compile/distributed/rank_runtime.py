@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from .. import families
+from ..errors import ConfigError, PagedKVError
 from ..runtime import PagedKVRuntime
 from .agreement import Agreement, Ballot, digest
 from .parallel_config import ParallelConfig
@@ -142,10 +143,13 @@ class RankRuntime:
                       geometry=self._geometry(args) if tables else 0)
 
     # ---- lifecycle: apply, vote, restore if any rank refused ------------------------------------------------
-    def _lifecycle(self, operation: str, owner_id: str, args: Any, apply: Callable[[], None]) -> None:
+    def _lifecycle(self, operation: str, owner_id: str, args: Any, apply: Callable[[], None],
+                   protect: Sequence[int] = ()) -> None:
+        """protect: local blocks whose pool bytes the call may overwrite while they belong to an owner it may evict
+        (an LRU victim of an admission that writes shared regions): saved too, restored with the scheduler."""
         call = (operation, owner_id, None, self.calls)
         ballot = self._ballot(call, args, tables=True)
-        saved = self._save()
+        saved = self._save(protect)
         try:
             apply()
         except Exception as e:  # noqa: BLE001 - voted on, then re-raised
@@ -159,14 +163,38 @@ class RankRuntime:
         finally:
             self.calls += 1
 
-    def _save(self) -> dict:
-        """The scheduler's state (everything but the pool tensor), to restore if another rank refuses."""
+    def _save(self, protect: Sequence[int] = ()) -> tuple:
+        """The scheduler's state (everything but the pool tensor) and the pool bytes of the `protect` blocks in
+        every layer, to restore if another rank refuses."""
         sched = self.runtime.scheduler
-        return copy.deepcopy(vars(sched), memo={id(sched.pool): sched.pool})
+        state = copy.deepcopy(vars(sched), memo={id(sched.pool): sched.pool})
+        index = self._absolute(protect)
+        return state, index, (self.runtime.pool.tensor[:, index].clone() if len(index) else None)
 
-    def _restore(self, saved: dict) -> None:
+    def _absolute(self, blocks: Sequence[int]) -> torch.Tensor:
+        pool = self.runtime.pool
+        return torch.tensor([base + b for base in pool.layer_bases.tolist() for b in blocks], dtype=torch.long,
+                            device=pool.tensor.device)
+
+    def _restore(self, saved: tuple) -> None:
+        state, index, data = saved
         vars(self.runtime.scheduler).clear()
-        vars(self.runtime.scheduler).update(saved)
+        vars(self.runtime.scheduler).update(state)
+        if data is not None:
+            self.runtime.pool.tensor[:, index] = data
+
+    def _blocks_an_admission_may_overwrite(self, spec: Any) -> list[int]:
+        """An admission that writes shared regions may evict the least recently used owner first and write into
+        the blocks it freed: if another rank then refuses, the restored victim must find its K/V as it was."""
+        sched = self.runtime.scheduler
+        try:
+            victim = sched._lru_victim(families.for_spec(spec))
+        except PagedKVError:
+            return []  # the admission will be refused before it evicts anything
+        if victim is None:
+            return []
+        return sorted({b for row in victim.rows for b in row}
+                      | {b for r in sched.regions.of(victim.owner_id) for b in r.blocks})
 
     def admit(self, owner_id: str, spec: Any, rows: int | None = None, *,
               cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
@@ -174,8 +202,9 @@ class RankRuntime:
         """`PagedKVRuntime.admit` on every rank or none. Under CFG-parallel each rank admits its own rows (its
         branch's spec and `rows`): the ranks agree on the decision, not on block counts."""
         args = {"rows": rows, "spec": type(spec).__name__, "cache_salt": cache_salt, "content_keys": content_keys}
+        protect = self._blocks_an_admission_may_overwrite(spec) if cross_kv is not None else []
         self._lifecycle("admit", owner_id, args, lambda: self.runtime.admit(
-            owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt, content_keys=content_keys))
+            owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt, content_keys=content_keys), protect)
 
     def reset(self, owner_id: str) -> None:
         self._lifecycle("reset", owner_id, None, lambda: self.runtime.reset(owner_id))
