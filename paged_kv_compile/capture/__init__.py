@@ -35,7 +35,7 @@ silent recompile is an error; captured calls enforce that stance themselves as w
 
 from ..errors import CaptureError
 from .blocks import FALLBACKS, CapturedBlocks, ExampleInputs, model_blocks_and_inputs, warm_up
-from .graphs import CudaGraphs, EmulatedGraphs
+from .graphs import CompiledOnlyGraphs, CudaGraphs, EmulatedGraphs
 from .report import BucketWarmup, WarmupReport, format_bucket
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "BucketWarmup",
     "CaptureError",
     "CapturedBlocks",
+    "CompiledOnlyGraphs",
     "CudaGraphs",
     "EmulatedGraphs",
     "ExampleInputs",

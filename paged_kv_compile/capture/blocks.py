@@ -20,7 +20,8 @@ from torch.utils import _pytree as pytree
 from .. import binding, families
 from ..config import Bucket
 from ..errors import CaptureError, ConfigError, RequestError
-from .graphs import CudaGraphs, EmulatedGraphs
+from .calls import record_calls
+from .graphs import CompiledOnlyGraphs, CudaGraphs, EmulatedGraphs
 from .report import BucketWarmup, WarmupReport, format_bucket, progress_bar, unique_graphs
 from .static import BucketState, copy_out
 
@@ -76,7 +77,7 @@ class CapturedBlocks:
         capture: bool | str = "auto",
         fallback: str = "error",
         warmup_iters: int = 2,
-        graphs: CudaGraphs | EmulatedGraphs | None = None,
+        graphs: CudaGraphs | EmulatedGraphs | CompiledOnlyGraphs | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"unknown fallback {fallback!r}; choose one of {', '.join(FALLBACKS)}")
@@ -156,7 +157,8 @@ class CapturedBlocks:
         if bar is not None:
             bar.set_postfix_str("done")
             bar.close()
-        kind = "none" if not self.capture else ("cuda" if isinstance(self.graphs, CudaGraphs) else "emulated")
+        kind = "none" if not self.capture else {CudaGraphs: "cuda", CompiledOnlyGraphs: "compiled-only"}.get(
+            type(self.graphs), "emulated")
         self.report = WarmupReport(timings, self.capture, time.perf_counter() - start, kind)
         return self.report
 
@@ -204,9 +206,13 @@ class CapturedBlocks:
         return BucketWarmup(bucket, compile_s, capture_s, graphs, len(state.graphs))
 
     def _capture(self, state: BucketState) -> float:
-        """One graph per block for this bucket, all in the shared pool; outputs go to static buffers."""
+        """One graph per block for this bucket, all in the shared pool; outputs go to static buffers.
+
+        The compiled paged calls each block's capture made are kept (`state.calls`): a captured call runs their
+        host checks before its replay."""
         t0 = time.perf_counter()
         graphs, n = self.graphs, len(self.blocks)
+        inputs = [s.buffer for s in state.slots if s.buffer is not None]
         with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"), \
                 self.runtime.warmup_forward(state.bucket):
             graphs.warm(lambda: [self._static_call(state, i) for i in range(n)], self.warmup_iters)
@@ -225,15 +231,11 @@ class CapturedBlocks:
                         targets.append(None)
                 del probe, leaves
 
-                def region(i=i, targets=targets):
-                    got = pytree.tree_leaves(self._static_call(state, i))
-                    for target, leaf in zip(targets, got):
-                        if target is not None:
-                            target.copy_(leaf)  # the graph's last kernels: results into static outputs
-                    return got
-
-                graph, got = graphs.capture(region)
+                with record_calls() as made:
+                    graph, got = graphs.capture(lambda i=i: pytree.tree_leaves(self._static_call(state, i)),
+                                                targets, inputs)
                 state.graphs[i] = graph
+                state.calls[i] = made
                 # Stand-in outputs (returned caches) are views of fixed stand-ins: kept as they are.
                 state.outputs[i] = pytree.tree_unflatten(
                     [t if t is not None else leaf for t, leaf in zip(targets, got)], out_spec

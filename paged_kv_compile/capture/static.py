@@ -83,6 +83,7 @@ class BucketState:
     outputs: dict[int, Any] = field(default_factory=dict)  # block index -> output tree over static buffers
     out_buffers: list[torch.Tensor] = field(default_factory=list)
     site_layers: dict[int, set] = field(default_factory=dict)  # block index -> layers its paged sites serve
+    calls: dict[int, list] = field(default_factory=dict)  # block index -> the paged calls its capture made
 
     def static_leaves(self) -> list:
         return [s.buffer if s.kind == TENSOR else leaf for s, leaf in zip(self.slots, self.example)]
