@@ -121,7 +121,7 @@ class CapturedBlocks:
         self._warned: set = set()
         self._installed = False
         self.report: WarmupReport | None = None
-        self.stats = {"replays": 0, "direct_calls": 0, "copies": 0, "copies_skipped": 0,
+        self.stats = {"replays": 0, "checks": 0, "direct_calls": 0, "copies": 0, "copies_skipped": 0,
                       "fallback_calls": 0, "fallback_compiles": 0}
         self.fallback_buckets: set[Bucket] = set()
 
@@ -300,15 +300,26 @@ class CapturedBlocks:
                                   "call the blocks exactly as the model's loop does at warm-up")
         state.copy_in(leaves, self.stats)
         if state.graphs:
+            layers = self._host_checks(state.calls[index])  # on the static buffers, which now hold this call
             state.graphs[index].replay()
-            # the site's Python did not run: record what the captured call served
-            self.runtime.record_layers(state.site_layers.get(index, ()))
+            self.runtime.record_layers(layers)  # the compiled function's Python did not run: record what it served
             self.stats["replays"] += 1
             return pytree.tree_map(copy_out, state.outputs[index])
         self.stats["direct_calls"] += 1
         call_args, call_kwargs = pytree.tree_unflatten(state.call_leaves(leaves), state.spec)
         with torch.compiler.set_stance("fail_on_recompile"):
             return self.blocks[index](*call_args, **call_kwargs)
+
+    def _host_checks(self, made: list) -> list[int]:
+        """Every check the recorded compiled calls make per call, before a replay; the layers they serve.
+
+        A check that fails raises here, before anything ran: the runtime rolls the forward back as it would an
+        uncaptured call's failure."""
+        layers: list[int] = []
+        for call in made:
+            layers += call.check(self.runtime)
+            self.stats["checks"] += 1
+        return layers
 
     def _fallback(self, index: int, bucket: Bucket, args: tuple, kwargs: dict, why: str, fix: str):
         if self.fallback == "error":
