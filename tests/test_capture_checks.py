@@ -218,3 +218,23 @@ def test_a_commit_that_skips_a_block_is_refused_on_the_captured_path():
         blocks(DZ_CFG.num_layers)
     assert captured.stats["replays"] == 2 * DZ_CFG.num_layers - 1
 
+
+def test_an_input_changed_through_data_is_copied_in_again():
+    """The copy into a static buffer is skipped only for the same tensor within one forward: `t.data.copy_()`
+    does not bump `t._version`, so a tensor changed that way between forwards must be copied again (it was not:
+    the replay read the previous forward's values)."""
+    model, runtime, _ = _dreamzero()
+    runtime.open_session("s", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
+    captured = _capture(model, model.blocks, runtime, dreamzero_block_inputs)
+    args, _ = dreamzero_block_inputs(model, runtime, dreamzero_buckets(DZ_CFG)[0])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args[0].shape, generator=g)
+    args = (x, torch.randn(args[1].shape, generator=g)) + tuple(args[2:5]) + (torch.randn(args[5].shape, generator=g),)
+    with torch.no_grad():
+        with _forward(runtime, "s", "denoise"):
+            first = captured.call(0, *args)[0]
+        x.data.copy_(torch.randn(x.shape, generator=g))  # invisible to x._version
+        with _forward(runtime, "s", "denoise"):
+            second = captured.call(0, *args)[0]
+            direct = captured.blocks[0](*args)[0]
+    assert not torch.equal(first, second) and torch.equal(second, direct)

@@ -298,7 +298,7 @@ class CapturedBlocks:
         if why:
             return self._fallback(index, bucket, args, kwargs, f"block {index}'s call for {bucket}: {why}",
                                   "call the blocks exactly as the model's loop does at warm-up")
-        state.copy_in(leaves, self.stats)
+        state.copy_in(leaves, self.stats, active.generation)
         if state.graphs:
             layers = self._host_checks(state.calls[index])  # on the static buffers, which now hold this call
             state.graphs[index].replay()
