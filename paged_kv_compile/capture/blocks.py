@@ -180,8 +180,16 @@ class CapturedBlocks:
             seen = getattr(active, "layers_seen", None)
             for i in range(len(self.blocks)):
                 before = set(seen) if seen is not None else set()
-                out = self._static_call(state, i)
+                args, kwargs = pytree.tree_unflatten(state.static_leaves(), state.spec)
+                out = self.blocks[i](*args, **kwargs)
                 state.site_layers[i] = (set(seen) - before) if seen is not None else set()
+                changed = state.changed(args, kwargs)
+                if changed:
+                    raise CaptureError(
+                        f"block {i} changes its arguments' Python state while it runs ({changed} after the call): a "
+                        "captured call cannot (a replay runs no Python, and the block gets copies of the caller's "
+                        "containers). Pass such state (e.g. a cache dict's fill state) in as arguments and keep it in "
+                        "the caller")
                 for leaf in pytree.tree_leaves(out):
                     if isinstance(leaf, torch.Tensor) and not bool(torch.isfinite(leaf).all()):
                         raise CaptureError(f"block {i} gave non-finite outputs in the warm-up forward of {bucket}")

@@ -117,6 +117,18 @@ class BucketState:
                 return f"argument {n} is a {describe(kind, sig)}, warmed up as a {describe(slot.kind, slot.sig)}"
         return ""
 
+    def changed(self, args: tuple, kwargs: dict) -> str:
+        """What a block call changed in the containers of its static arguments ("" when nothing): dynamo replays
+        such Python side effects (a cache dict's fill state) after the graph, a captured replay cannot."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        why = self.mismatch(leaves, spec)
+        if why:
+            return why
+        for n, (slot, leaf) in enumerate(zip(self.slots, leaves)):
+            if slot.kind == TENSOR and leaf is not slot.buffer:
+                return f"argument {n} now holds another tensor"
+        return ""
+
     def copy_in(self, leaves: list, stats: dict, forward: int) -> None:
         """Copy a call's tensor arguments into the static buffers.
 

@@ -17,7 +17,7 @@ from helpers import CountingBackend
 
 from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
 from paged_kv_compile.adapters.tencent_hunyuan import LAYER_IDX_SOURCE
-from paged_kv_compile.errors import RequestError
+from paged_kv_compile.errors import CaptureError, RequestError
 from paged_kv_compile.families import HunyuanSpec
 
 from . import tencent_hunyuan as th
@@ -170,3 +170,21 @@ def test_the_rolling_cache_history_count_is_checked_on_the_captured_path():
 def _call_in_forward(rt, captured, x, kv, state):
     with _forward(rt, "s", "denoise"):
         captured.call(0, x, kv[0], kv[1], *state)
+
+
+def test_a_block_that_changes_its_cache_dict_is_refused_at_warm_up():
+    """FillStateSelfAttention as written advances its cache dict's fill state (dynamo replays that after the graph):
+    a captured call would not, so warm-up refuses it and names the fix (FillStateBlock above)."""
+    module = FillStateSelfAttention(local_attn_size=WINDOW_FRAMES, frame_seqlen=FRAME)
+    rt = _session_runtime(module)
+    blocks = torch.nn.ModuleList([module])
+    blocks[0].compile(backend=CountingBackend({"inner_compiler": "aot_eager", "strict": True}), fullgraph=True,
+                      dynamic=False)
+    kv = rt.standin(2, 1, WINDOW_FRAMES * FRAME, 2, 16, writable=True)
+    with _forward(rt, "s", "denoise") as active:
+        bucket = active.bucket
+    cache = {"k": kv[0], "v": kv[1], "local_end_index": 16, "new_block": True}  # a new block: 16 -> 24
+    captured = CapturedBlocks(blocks, rt, lambda b: ((torch.zeros(1, BLOCK_FRAMES * FRAME, 32), cache, 0), {}),
+                              buckets=[bucket], graphs=CompiledOnlyGraphs())
+    with pytest.raises(CaptureError, match=r"block 0 changes its arguments' Python state while it runs \(argument 3"):
+        captured.warmup(progress=False)
