@@ -21,6 +21,7 @@ from .. import binding, families
 from ..config import Bucket
 from ..errors import CaptureError, ConfigError, RequestError
 from .calls import record_calls
+from .forward_graph import GRANULARITIES, ForwardGraph
 from .graphs import CompiledOnlyGraphs, CudaGraphs, EmulatedGraphs
 from .report import BucketWarmup, WarmupReport, format_bucket, progress_bar, unique_graphs
 from .static import BucketState, copy_out
@@ -65,6 +66,9 @@ class CapturedBlocks:
     gives the (args, kwargs) of one block call of that bucket. capture: "auto" (CUDA graphs when the
     pool is on a CUDA device), True or False. fallback: "error" (a forward of a bucket that was not
     warmed up raises) or "eager" (it runs uncaptured, compiling that shape once, with a warning).
+    granularity: "block" (one graph per block and bucket: blocks in any order) or "forward" (one graph per
+    bucket over every block in the model's order, one copy-in and one launch per forward:
+    `capture/forward_graph.py` says what it costs).
     """
 
     def __init__(
@@ -78,9 +82,13 @@ class CapturedBlocks:
         fallback: str = "error",
         warmup_iters: int = 2,
         graphs: CudaGraphs | EmulatedGraphs | CompiledOnlyGraphs | None = None,
+        granularity: str = "block",
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"unknown fallback {fallback!r}; choose one of {', '.join(FALLBACKS)}")
+        if granularity not in GRANULARITIES:
+            raise ConfigError(f"unknown granularity {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
+        self.granularity = granularity
         if isinstance(blocks, torch.nn.ModuleList):
             self.module_list: torch.nn.ModuleList | None = blocks
         else:
@@ -121,8 +129,10 @@ class CapturedBlocks:
         self._warned: set = set()
         self._installed = False
         self.report: WarmupReport | None = None
-        self.stats = {"replays": 0, "checks": 0, "direct_calls": 0, "copies": 0, "copies_skipped": 0,
-                      "fallback_calls": 0, "fallback_compiles": 0}
+        # replays: graph launches (per block, or per forward with granularity="forward", whose other block calls
+        # count in forward_served); checks: recorded host checks run before launches
+        self.stats = {"replays": 0, "checks": 0, "forward_served": 0, "direct_calls": 0, "copies": 0,
+                      "copies_skipped": 0, "fallback_calls": 0, "fallback_compiles": 0}
         self.fallback_buckets: set[Bucket] = set()
 
     # ---- warm-up --------------------------------------------------------------------------------
@@ -211,10 +221,11 @@ class CapturedBlocks:
         graphs = unique_graphs() - graphs0
         capture_s = self._capture(state) if self.capture else 0.0
         self._states[bucket] = state
-        return BucketWarmup(bucket, compile_s, capture_s, graphs, len(state.graphs))
+        return BucketWarmup(bucket, compile_s, capture_s, graphs, len(state.graphs) + (state.forward is not None))
 
     def _capture(self, state: BucketState) -> float:
-        """One graph per block for this bucket, all in the shared pool; outputs go to static buffers.
+        """One graph per block for this bucket, all in the shared pool; outputs go to static buffers. With
+        granularity="forward", one graph over every block instead (`ForwardGraph`).
 
         The compiled paged calls each block's capture made are kept (`state.calls`): a captured call runs their
         host checks before its replay."""
@@ -223,6 +234,12 @@ class CapturedBlocks:
         inputs = [s.buffer for s in state.slots if s.buffer is not None]
         with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"), \
                 self.runtime.warmup_forward(state.bucket):
+            if self.granularity == "forward":
+                state.forward = ForwardGraph(state, self.blocks)
+                state.forward.capture(graphs, self.warmup_iters)
+                state.out_buffers = state.forward.kept()
+                graphs.synchronize()
+                return time.perf_counter() - t0
             graphs.warm(lambda: [self._static_call(state, i) for i in range(n)], self.warmup_iters)
             out_buffers: dict[tuple, torch.Tensor] = {}
             for i in range(n):
@@ -302,6 +319,8 @@ class CapturedBlocks:
                 "add it to the runtime's configured buckets and warm up again",
             )
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if state.forward is not None:
+            return self._forward_call(index, state, leaves, spec, args, kwargs, active.generation)
         why = state.mismatch(leaves, spec)
         if why:
             return self._fallback(index, bucket, args, kwargs, f"block {index}'s call for {bucket}: {why}",
@@ -317,6 +336,27 @@ class CapturedBlocks:
         call_args, call_kwargs = pytree.tree_unflatten(state.call_leaves(leaves), state.spec)
         with torch.compiler.set_stance("fail_on_recompile"):
             return self.blocks[index](*call_args, **call_kwargs)
+
+    def _forward_call(self, index: int, state: BucketState, leaves: list, spec, args: tuple, kwargs: dict,
+                      generation: int):
+        """granularity="forward": block 0 copies in, checks every block and launches; later blocks are served."""
+        graph = state.forward
+        if index == 0:
+            why = state.mismatch(leaves, spec)
+            if not why:
+                state.copy_in(leaves, self.stats, generation)
+                graph.launch(leaves, generation, self._host_checks)
+                self.stats["replays"] += 1
+        else:
+            why = graph.follows(index, leaves, spec, generation)
+        if why:
+            graph.launch_state = None  # the rest of this forward is not the captured one either
+            return self._fallback(index, state.bucket, args, kwargs, f"block {index}'s call for {state.bucket}: {why}",
+                                  "call the blocks exactly as the model's loop does at warm-up")
+        out, layers = graph.serve(index)
+        self.runtime.record_layers(layers)
+        self.stats["forward_served"] += 1
+        return out
 
     def _host_checks(self, made: list) -> list[int]:
         """Every check the recorded compiled calls make per call, before a replay; the layers they serve.
@@ -369,6 +409,7 @@ def warm_up(
     fallback: str = "error",
     progress: bool = True,
     install: bool = True,
+    granularity: str = "block",
 ) -> CapturedBlocks:
     """Warm up (compile, and capture on CUDA) every bucket of a reference model's compiled blocks.
 
@@ -379,7 +420,8 @@ def warm_up(
     blocks, inputs, family = model_blocks_and_inputs(model, runtime)
     if buckets is None and not runtime.config.buckets:
         buckets = families.get(family).default_buckets(model.cfg)
-    captured = CapturedBlocks(blocks, runtime, inputs, buckets=buckets, capture=capture, fallback=fallback)
+    captured = CapturedBlocks(blocks, runtime, inputs, buckets=buckets, capture=capture, fallback=fallback,
+                              granularity=granularity)
     captured.warmup(progress=progress)
     if install:
         captured.install()

@@ -65,5 +65,5 @@ def record_calls() -> Iterator[list[PagedCall]]:
     _RECORDERS.append(got)
     try:
         yield got
-    finally:
-        _RECORDERS.remove(got)
+    finally:  # by identity: nested recorders may hold equal lists
+        del _RECORDERS[next(i for i, r in enumerate(_RECORDERS) if r is got)]

@@ -84,6 +84,7 @@ class BucketState:
     out_buffers: list[torch.Tensor] = field(default_factory=list)
     site_layers: dict[int, set] = field(default_factory=dict)  # block index -> layers its paged sites serve
     calls: dict[int, list] = field(default_factory=dict)  # block index -> the paged calls its capture made
+    forward: Any = None  # granularity="forward": the bucket's ForwardGraph (capture/forward_graph.py)
 
     def static_leaves(self) -> list:
         return [s.buffer if s.kind == TENSOR else leaf for s, leaf in zip(self.slots, self.example)]
