@@ -24,7 +24,6 @@ from paged_kv_compile.capture import (
     hunyuan_layer_inputs,
 )
 from paged_kv_compile.capture.calls import record_calls
-from paged_kv_compile.config import Bucket, PagedKVConfig
 from paged_kv_compile.driver import (
     dreamzero_runtime_config,
     hunyuan_runtime_config,
@@ -32,7 +31,7 @@ from paged_kv_compile.driver import (
     paged_hunyuan_generate,
 )
 from paged_kv_compile.errors import RequestError
-from paged_kv_compile.families import DreamZeroSpec, HunyuanSpec
+from paged_kv_compile.families import DreamZeroSpec
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime

@@ -107,7 +107,8 @@ class ForwardGraph:
         graphs.warm(self._run, warmup_iters)
         self._recording, self._specs = [], []
         try:
-            self.graph, flat = graphs.capture(self._run, (), [s.buffer for s in self.state.slots if s.buffer is not None])
+            inputs = [s.buffer for s in self.state.slots if s.buffer is not None]
+            self.graph, flat = graphs.capture(self._run, (), inputs)
             self.calls = self._recording
         finally:
             self._recording = None

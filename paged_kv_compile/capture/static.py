@@ -1,9 +1,10 @@
 """Static input and output buffers of captured block calls, and how a call is matched against them.
 
 A captured graph reads fixed addresses, so every block call of a bucket copies its tensor arguments into
-one buffer per argument position (within one forward, a tensor already copied is not copied again) (`BucketState`), is refused when its arguments are not what was
-warmed up (`BucketState.mismatch`), and hands out copies of the static outputs (`copy_out`). Cache
-stand-ins (`binding.is_standin`) are already at fixed addresses and pass through.
+one buffer per argument position (`BucketState`; within one forward, a tensor already copied is not copied
+again), is refused when its arguments are not what was warmed up (`BucketState.mismatch`), and hands out
+copies of the static outputs (`copy_out`). Cache stand-ins (`binding.is_standin`) are already at fixed
+addresses and pass through.
 """
 
 from __future__ import annotations

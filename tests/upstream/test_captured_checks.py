@@ -51,7 +51,8 @@ def _tencent_captured(req, options):
     phases = {"prefill": dict(attention_mask=req["mask"], position_ids=prefill_pos, past_key_value=cache,
                               custom_pos_emb=th.get_pos_emb(req["rope"], prefill_pos)),
               "step": dict(attention_mask=req["step"]["attention_mask"], position_ids=req["step"]["position_ids"],
-                           past_key_value=cache, custom_pos_emb=th.get_pos_emb(req["rope"], req["step"]["position_ids"]))}
+                           past_key_value=cache,
+                           custom_pos_emb=th.get_pos_emb(req["rope"], req["step"]["position_ids"]))}
     hidden, kwargs = {}, {}
     rt.admit_request("plan", HunyuanSpec.from_prefill_mask(req["mask"], req["scatter"][:, -1].tolist(), T))
     for phase, tokens in (("prefill", S), ("step", T)):  # nothing runs: the plans only name the buckets
