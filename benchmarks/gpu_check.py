@@ -128,15 +128,19 @@ def check_gpu_tests(dry: bool, work: Path, timeout: float) -> dict:
 
 
 def check_gpu_suite(dry: bool, work: Path) -> dict:
+    import torch
+
     from benchmarks import gpu_suite
     from paged_kv_compile.ops import flash_attn as fa
+
+    capability = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else None
 
     out = work / "gpu_suite.json"
     if dry:
         argv = ["--dry-run", "--layers", "1", "--repeats", "1"]
     else:
         argv = ["--layers", "2", "--repeats", "5"]
-        if isinstance(fa.select(16), str):  # the suite's block size; no build: run reference and triton only
+        if isinstance(fa.select(16, capability=capability), str):  # the suite's block size; none: reference, triton
             argv += ["--kernels", "reference,triton"]
     t0 = time.perf_counter()
     try:
@@ -152,7 +156,8 @@ def check_gpu_suite(dry: bool, work: Path) -> dict:
                 for c in report.get("cases", []) for name, v in c.get("variants", {}).items()]
     status = PASS if rc == 0 else FAIL
     detail = error or ("" if rc == 0 else f"gpu_suite exit {rc}: mismatches or errors, see report")
-    flash_note = "" if not isinstance(fa.select(16), str) else f"flash_attn not run: {fa.select(16)}"
+    picked = fa.select(16, capability=capability)
+    flash_note = "" if not isinstance(picked, str) else f"flash_attn not run: {picked}"
     return {"status": status, "detail": detail or flash_note, "seconds": seconds, "argv": argv,
             "variants": variants, "report": report}
 
