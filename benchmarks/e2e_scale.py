@@ -650,23 +650,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"e2e_scale: unknown families {sorted(unknown)}; choose from {sorted(runners)}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    old_check = write_attend_module.CHECK_VALUES
-    write_attend_module.CHECK_VALUES = False  # a CPU debug aid that reads metadata on the host
     t0 = time.perf_counter()
     results = {}
-    try:
-        for name in names:
-            torch._dynamo.reset()
-            try:
-                results[name] = runners[name](args, device, dtype, dry)
-            except Exception as e:  # noqa: BLE001 - reported; the other family still runs
-                results[name] = {"family": name, "error": f"{type(e).__name__}: {e}", "variants": {},
-                                 "problems": [f"{name}: {type(e).__name__}: {e}"]}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        write_attend_module.CHECK_VALUES = old_check
+    # dense compiles a graph per cache length: the limit is raised for this run only, as is CHECK_VALUES (a CPU
+    # debug aid that reads metadata on the host) switched off
+    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 32)):
+        old_check, write_attend_module.CHECK_VALUES = write_attend_module.CHECK_VALUES, False
+        try:
+            for name in names:
+                torch._dynamo.reset()
+                try:
+                    results[name] = runners[name](args, device, dtype, dry)
+                except Exception as e:  # noqa: BLE001 - reported; the other family still runs
+                    results[name] = {"family": name, "error": f"{type(e).__name__}: {e}", "variants": {},
+                                     "problems": [f"{name}: {type(e).__name__}: {e}"]}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            write_attend_module.CHECK_VALUES = old_check
     report = {"benchmark": "e2e_scale", "dry_run": dry, "device": torch.cuda.get_device_name() if not dry else "cpu",
               "machine": machine_info(), "dtype": str(dtype).replace("torch.", ""), "kernel": args.kernel if not dry
               else "reference", "repeats": args.repeats, "families": results,

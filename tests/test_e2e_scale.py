@@ -71,3 +71,8 @@ def test_dreamzero_schedule_is_the_rollouts():
         ("denoise", 0, 0, False), ("denoise", 0, 0, False),
         ("commit", 1, 0, False), ("denoise", 1, 2, False), ("denoise", 1, 2, False),
         ("denoise", 2, 0, True), ("denoise", 2, 0, False)]
+
+
+def test_the_dry_run_leaves_dynamo_config_as_it_was(dry):
+    """It raises the recompile limit for its own run only: a leaked limit let other tests' frames recompile."""
+    assert torch._dynamo.config.recompile_limit == torch._dynamo.config._config["recompile_limit"].default
