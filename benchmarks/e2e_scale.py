@@ -392,7 +392,7 @@ def run_dreamzero(args, device: torch.device, dtype: torch.dtype, dry: bool) -> 
     def paged_forward(owner: str, i: int):
         kind, _, start, _ = schedule[i]
         x, e, e0 = embed(i)
-        with _runtime_forward(runtime, owner, kind):
+        with runtime.forward(owner, kind):
             for block in paged_blocks:
                 x, _ = block(x, e, rope[start][0], rope[start][1], standin, regions)
         return model.head(x, e0)
@@ -401,8 +401,7 @@ def run_dreamzero(args, device: torch.device, dtype: torch.dtype, dry: bool) -> 
         [k for k, *_ in schedule], [c for _, c, _, _ in schedule], dense_forward, paged_forward,
         admit=lambda owner: runtime.admit(owner, DreamZeroSpec.from_model_config(cfg), R, cross_kv=cross,
                                           content_keys=[b"e2e cond", b"e2e uncond"]),  # no digest of 40 layers' bytes
-        release=lambda owner: _release(runtime, owner),
-        before=lambda owner, i: schedule[i][3] and _reset(runtime, owner))
+        release=runtime.release, before=lambda owner, i: schedule[i][3] and runtime.reset(owner))
     measured = measure(work, captured, dense, args.repeats, device, args.warmup_runs)
     out = report_family("dreamzero", measured, dtype, warm, {"block": cfg.num_layers, "forward": 1})
     out.update({
@@ -486,7 +485,7 @@ def run_hunyuan(args, device: torch.device, dtype: torch.dtype, dry: bool) -> di
 
     def paged_forward(owner: str, i: int):
         h, phase = embed(i), kinds[i]
-        with _runtime_forward(runtime, owner, phase, prefix_capacity=P,
+        with runtime.forward(owner, phase, prefix_capacity=P,
                               attention_mask=req.attention_mask if phase == "prefill" else None):
             for layer, cache in zip(paged_layers, standins):
                 h = layer(h, *tables[phase], cache, req.prefix_valid, phase)
@@ -494,7 +493,7 @@ def run_hunyuan(args, device: torch.device, dtype: torch.dtype, dry: bool) -> di
 
     work = Workload(kinds, list(range(len(kinds))), dense_forward, paged_forward,
                     admit=lambda owner: runtime.admit(owner, hunyuan_spec(cfg, prompts)),
-                    release=lambda owner: _release(runtime, owner))
+                    release=runtime.release)
     measured = measure(work, captured, dense, args.repeats, device, args.warmup_runs)
     out = report_family("hunyuan", measured, dtype, warm, {"block": cfg.num_layers, "forward": 1})
     out.update({
@@ -515,21 +514,6 @@ def run_hunyuan(args, device: torch.device, dtype: torch.dtype, dry: bool) -> di
     })
     runtime.close()
     return out
-
-
-# ---- the runtime's API, in one place ------------------------------------------------------------------------------
-
-
-def _runtime_forward(runtime, owner_id: str, kind: str, **args):
-    return runtime.forward_for(owner_id, kind, **args)
-
-
-def _reset(runtime, owner_id: str) -> None:
-    runtime.reset_window(owner_id)
-
-
-def _release(runtime, owner_id: str) -> None:
-    runtime.scheduler.release(owner_id, "finished")
 
 
 # ---- reporting ------------------------------------------------------------------------------------------------------

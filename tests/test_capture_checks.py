@@ -15,23 +15,17 @@ import pytest
 import torch
 from helpers import CountingBackend, compile_blocks
 
-from paged_kv_compile.capture import (
-    CapturedBlocks,
-    CompiledOnlyGraphs,
+from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
+from paged_kv_compile.capture.calls import record_calls
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.errors import RequestError
+from paged_kv_compile.families.dreamzero import (
+    DreamZeroSpec,
     dreamzero_block_inputs,
     dreamzero_buckets,
-    hunyuan_buckets,
-    hunyuan_layer_inputs,
-)
-from paged_kv_compile.capture.calls import record_calls
-from paged_kv_compile.driver import (
     dreamzero_runtime_config,
-    hunyuan_runtime_config,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
 )
-from paged_kv_compile.errors import RequestError
-from paged_kv_compile.families import DreamZeroSpec
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_buckets, hunyuan_layer_inputs, hunyuan_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
@@ -43,16 +37,12 @@ CAPACITY = 12
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _forward(runtime, owner_id: str, kind: str, **args):
-    """The runtime's forward of `kind` for an owner (the one call site of the runtime's forward API here)."""
-    return runtime.forward_for(owner_id, kind, **args)
-
 
 def _refused(runtime, owner_id: str, kind: str, body, match: str, **args) -> None:
     """`body()` inside a forward is refused with `match`, and the runtime is left exactly as it was."""
     before = runtime.state()
     with pytest.raises(RequestError, match=match):
-        with torch.no_grad(), _forward(runtime, owner_id, kind, **args):
+        with torch.no_grad(), runtime.forward(owner_id, kind, **args):
             body()
     assert runtime.state() == before
 
@@ -97,7 +87,7 @@ def test_a_replay_that_runs_no_python_serves_a_dreamzero_rollout_exactly():
     captured = _capture(model, model.blocks, runtime, dreamzero_block_inputs)
     assert captured.report.graphs == "compiled-only"
     with captured.serving(), record_calls() as python_calls:
-        paged = paged_dreamzero_rollout(model, runtime, num_chunks=5, num_inference_steps=2, seed=3)
+        paged = paged_run(model, runtime, num_chunks=5, num_inference_steps=2, seed=3)
     assert python_calls == []  # no compiled paged function ran: only the inner graphs did
     forwards = 5 * 2 + 5 - 1 - len(dense["resets"])
     assert captured.stats["replays"] == forwards * DZ_CFG.num_layers and captured.stats["direct_calls"] == 0
@@ -112,7 +102,7 @@ def test_a_replay_that_runs_no_python_serves_hunyuan_generations_exactly():
     captured = _capture(model, model.layers, runtime, hunyuan_layer_inputs)
     requests = [_prompts([9]), _prompts([11, 4], seed=1)]
     with captured.serving(), record_calls() as python_calls:
-        got = [paged_hunyuan_generate(model, runtime, p, request_id=f"r{i}", num_steps=3, seed=5)
+        got = [paged_run(model, runtime, prompts=p, owner_id=f"r{i}", num_steps=3, seed=5)
                for i, p in enumerate(requests)]
     assert python_calls == []
     for prompts, out in zip(requests, got):
@@ -143,19 +133,19 @@ def test_a_session_whose_sink_disagrees_with_the_compiled_site_is_refused_on_the
     model, runtime, _ = _dreamzero()
     inputs = _dreamzero_forward_inputs(model, runtime)
     wrong = DreamZeroSpec.from_model_config(dataclasses.replace(DZ_CFG, sink_size=0))
-    runtime.open_session("right", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
+    runtime.admit("right", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
     runtime.admit("wrong", wrong, rows=2)
     match = r"disagree on sink_tokens \(graph 32, session 0\)"
     _refused(runtime, "wrong", "denoise", lambda: model(*inputs, update_kv_cache=False), match)  # uncaptured
     captured = _capture(model, model.blocks, runtime, dreamzero_block_inputs)
     with captured.serving():
-        with torch.no_grad(), _forward(runtime, "right", "denoise"):
+        with torch.no_grad(), runtime.forward("right", "denoise"):
             right = model(*inputs, update_kv_cache=False)
         replays = captured.stats["replays"]
         for kind in ("denoise", "commit"):
             _refused(runtime, "wrong", kind, lambda: model(*inputs, update_kv_cache=kind == "commit"), match)
         assert captured.stats["replays"] == replays  # refused before any replay
-        with torch.no_grad(), _forward(runtime, "right", "denoise"):
+        with torch.no_grad(), runtime.forward("right", "denoise"):
             again = model(*inputs, update_kv_cache=False)
     assert all(torch.equal(a, b) for a, b in zip(right[:2], again[:2]))
 
@@ -165,7 +155,7 @@ def test_blocks_rebound_after_capture_are_refused_on_the_captured_path():
     (or to another runtime) are refused instead of reading another layer's KV."""
     model, runtime, _ = _dreamzero()
     inputs = _dreamzero_forward_inputs(model, runtime)
-    runtime.open_session("s", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
+    runtime.admit("s", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
     captured = _capture(model, model.blocks, runtime, dreamzero_block_inputs)
     blocks = list(captured.blocks)
     runtime.bind(blocks[::-1])  # every block now serves the mirrored layer
@@ -184,17 +174,17 @@ def test_a_forward_without_the_shared_region_its_graph_reads_is_refused_on_the_c
     latents, actions, t, start, caches, cross = _dreamzero_forward_inputs(model, runtime)
     standins = [runtime.region_standin(2, 2, DZ_CFG.cross_len, DZ_CFG.num_heads, DZ_CFG.head_dim)] * DZ_CFG.num_layers
     spec = DreamZeroSpec.from_model_config(DZ_CFG)
-    runtime.open_session("shared", spec, rows=2, cross_kv=cross)
-    runtime.open_session("bare", spec, rows=2)
+    runtime.admit("shared", spec, rows=2, cross_kv=cross)
+    runtime.admit("bare", spec, rows=2)
     inputs = (latents, actions, t, start, caches, standins)
     match = r"reads a \d+-token shared region .* row 0 of this denoise forward \('bare'\) holds no shared region"
     _refused(runtime, "bare", "denoise", lambda: model(*inputs, update_kv_cache=False), match)  # uncaptured
-    with torch.no_grad(), _forward(runtime, "shared", "denoise"):
+    with torch.no_grad(), runtime.forward("shared", "denoise"):
         uncaptured = model(*inputs, update_kv_cache=False)
     captured = _capture(model, model.blocks, runtime, dreamzero_block_inputs)
     with captured.serving():
         _refused(runtime, "bare", "denoise", lambda: model(*inputs, update_kv_cache=False), match)
-        with torch.no_grad(), _forward(runtime, "shared", "denoise"):
+        with torch.no_grad(), runtime.forward("shared", "denoise"):
             replayed = model(*inputs, update_kv_cache=False)
     assert captured.stats["replays"] == DZ_CFG.num_layers
     assert all(torch.equal(a, b) for a, b in zip(uncaptured[:2], replayed[:2]))
@@ -204,7 +194,7 @@ def test_a_commit_that_skips_a_block_is_refused_on_the_captured_path():
     """Every layer must write a commit's K/V: the captured calls record the layers they served, and a commit whose
     loop skipped the last block is rolled back."""
     model, runtime, _ = _dreamzero()
-    runtime.open_session("s", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
+    runtime.admit("s", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
     captured = _capture(model, model.blocks, runtime, dreamzero_block_inputs)
     args, _ = dreamzero_block_inputs(model, runtime, dreamzero_buckets(DZ_CFG)[0])
 
@@ -213,7 +203,7 @@ def test_a_commit_that_skips_a_block_is_refused_on_the_captured_path():
             captured.call(i, *args)
 
     _refused(runtime, "s", "commit", lambda: blocks(DZ_CFG.num_layers - 1), r"commit forward skipped layers \[3\]")
-    with torch.no_grad(), _forward(runtime, "s", "commit"):
+    with torch.no_grad(), runtime.forward("s", "commit"):
         blocks(DZ_CFG.num_layers)
     assert captured.stats["replays"] == 2 * DZ_CFG.num_layers - 1
 
@@ -223,17 +213,17 @@ def test_an_input_changed_through_data_is_copied_in_again():
     does not bump `t._version`, so a tensor changed that way between forwards must be copied again (it was not:
     the replay read the previous forward's values)."""
     model, runtime, _ = _dreamzero()
-    runtime.open_session("s", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
+    runtime.admit("s", DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
     captured = _capture(model, model.blocks, runtime, dreamzero_block_inputs)
     args, _ = dreamzero_block_inputs(model, runtime, dreamzero_buckets(DZ_CFG)[0])
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args[0].shape, generator=g)
     args = (x, torch.randn(args[1].shape, generator=g)) + tuple(args[2:5]) + (torch.randn(args[5].shape, generator=g),)
     with torch.no_grad():
-        with _forward(runtime, "s", "denoise"):
+        with runtime.forward("s", "denoise"):
             first = captured.call(0, *args)[0]
         x.data.copy_(torch.randn(x.shape, generator=g))  # invisible to x._version
-        with _forward(runtime, "s", "denoise"):
+        with runtime.forward("s", "denoise"):
             second = captured.call(0, *args)[0]
             direct = captured.blocks[0](*args)[0]
     assert not torch.equal(first, second) and torch.equal(second, direct)

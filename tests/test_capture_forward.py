@@ -13,23 +13,17 @@ import pytest
 import torch
 from helpers import CountingBackend, compile_blocks
 
-from paged_kv_compile.capture import (
-    CapturedBlocks,
-    CompiledOnlyGraphs,
+from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
+from paged_kv_compile.capture.calls import record_calls
+from paged_kv_compile.driver import paged_run
+from paged_kv_compile.errors import ConfigError, RequestError
+from paged_kv_compile.families.dreamzero import (
+    DreamZeroSpec,
     dreamzero_block_inputs,
     dreamzero_buckets,
-    hunyuan_buckets,
-    hunyuan_layer_inputs,
-)
-from paged_kv_compile.capture.calls import record_calls
-from paged_kv_compile.driver import (
     dreamzero_runtime_config,
-    hunyuan_runtime_config,
-    paged_dreamzero_rollout,
-    paged_hunyuan_generate,
 )
-from paged_kv_compile.errors import ConfigError, RequestError
-from paged_kv_compile.families import DreamZeroSpec
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_buckets, hunyuan_layer_inputs, hunyuan_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
@@ -41,10 +35,6 @@ BUCKET = dreamzero_buckets(DZ_CFG)[0]
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
-
-def _forward(runtime, owner_id: str, kind: str, **args):
-    """The runtime's forward of `kind` for an owner (the one call site of the runtime's forward API here)."""
-    return runtime.forward_for(owner_id, kind, **args)
 
 
 def _dreamzero(granularity: str, fallback: str = "error", **config):
@@ -68,7 +58,7 @@ def test_dreamzero_rollout_through_one_graph_per_forward_equals_dense(granularit
     model, runtime, captured = _dreamzero(granularity)
     assert captured.report.buckets[0].cuda_graphs == (1 if granularity == "forward" else DZ_CFG.num_layers)
     with captured.serving(), record_calls() as python_calls:
-        paged = paged_dreamzero_rollout(model, runtime, num_chunks=5, num_inference_steps=2, seed=3, shared_cross=True)
+        paged = paged_run(model, runtime, num_chunks=5, num_inference_steps=2, seed=3, shared_kv=True)
     assert python_calls == []
     forwards = 5 * 2 + 5 - 1
     launches = forwards * (1 if granularity == "forward" else DZ_CFG.num_layers)
@@ -95,7 +85,7 @@ def test_hunyuan_generations_through_one_graph_per_forward_equal_dense():
     g = torch.Generator().manual_seed(0)
     requests = [[torch.randint(0, HY_CFG.vocab, (n,), generator=g) for n in lens] for lens in ((9,), (11, 4))]
     with captured.serving(), record_calls() as python_calls:
-        got = [paged_hunyuan_generate(model, runtime, p, request_id=f"r{i}", num_steps=3, seed=5)
+        got = [paged_run(model, runtime, prompts=p, owner_id=f"r{i}", num_steps=3, seed=5)
                for i, p in enumerate(requests)]
     assert python_calls == [] and captured.stats["replays"] == 2 * 3  # a prefill and two steps each
     for prompts, out in zip(requests, got):
@@ -110,7 +100,7 @@ def test_hunyuan_generations_through_one_graph_per_forward_equal_dense():
 def _session(model, runtime, owner="s", spec=None):
     with torch.no_grad():
         cross = model.prepare_cross_kv(torch.randn(2, DZ_CFG.text_len, DZ_CFG.text_dim))
-    runtime.open_session(owner, spec or DreamZeroSpec.from_model_config(DZ_CFG), rows=2, cross_kv=cross)
+    runtime.admit(owner, spec or DreamZeroSpec.from_model_config(DZ_CFG), rows=2, cross_kv=cross)
 
 
 def _block_args(model, runtime, seed=0):
@@ -154,7 +144,7 @@ def test_a_forward_graph_refuses_calls_it_did_not_run(misuse, why):
     args = _block_args(model, runtime)
     order, change = MISUSES[misuse]
     before = runtime.state()
-    with pytest.raises(RequestError, match=why), torch.no_grad(), _forward(runtime, "s", "denoise"):
+    with pytest.raises(RequestError, match=why), torch.no_grad(), runtime.forward("s", "denoise"):
         _chain(captured, args, order, change)
     assert runtime.state() == before
 
@@ -165,9 +155,9 @@ def test_with_fallback_eager_the_rest_of_a_forward_that_leaves_the_graph_runs_un
     args = _block_args(model, runtime)
     skip = [0, 1, 3]
     with torch.no_grad():
-        with _forward(runtime, "s", "denoise"):
+        with runtime.forward("s", "denoise"):
             expected = _chain(dict(enumerate(captured.blocks)), args, skip)  # the compiled blocks, uncaptured
-        with _forward(runtime, "s", "denoise"), warnings.catch_warnings(record=True) as caught:
+        with runtime.forward("s", "denoise"), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = _chain(captured, args, skip)
     assert torch.equal(got, expected)
@@ -183,10 +173,10 @@ def test_every_blocks_host_checks_run_before_the_one_launch():
     args = _block_args(model, runtime)
     before = runtime.state()
     with pytest.raises(RequestError, match=r"disagree on sink_tokens"), torch.no_grad(), \
-            _forward(runtime, "wrong", "denoise"):
+            runtime.forward("wrong", "denoise"):
         _chain(captured, args, range(DZ_CFG.num_layers))
     assert runtime.state() == before and captured.stats["replays"] == 0
-    with torch.no_grad(), _forward(runtime, "right", "commit"):
+    with torch.no_grad(), runtime.forward("right", "commit"):
         _chain(captured, args, range(DZ_CFG.num_layers))
     assert captured.stats["replays"] == 1 and captured.stats["checks"] == DZ_CFG.num_layers  # the refused one: 0
 
@@ -199,7 +189,7 @@ def test_a_commit_that_stops_before_the_last_block_is_refused():
     args = _block_args(model, runtime)
     before = runtime.state()
     with pytest.raises(RequestError, match=r"commit forward skipped layers \[3\]"), torch.no_grad(), \
-            _forward(runtime, "s", "commit"):
+            runtime.forward("s", "commit"):
         _chain(captured, args, range(DZ_CFG.num_layers - 1))
     assert runtime.state() == before
 

@@ -229,8 +229,8 @@ def test_one_graph_per_forward_captured_matches_dense_eager(family, no_host_chec
         compile_blocks(model.blocks, backend)
         captured = _warm_up(model, runtime, "forward")
         with torch.no_grad(), captured.serving():
-            paged = paged_dreamzero_rollout(model, runtime, num_chunks=num_chunks, num_inference_steps=steps, seed=3,
-                                            shared_cross=True)
+            paged = paged_run(model, runtime, num_chunks=num_chunks, num_inference_steps=steps, seed=3,
+                              shared_kv=True)
         forwards = num_chunks * steps + num_chunks - 1 - len(dense["resets"])
         diff = max((dense[k] - paged[k]).abs().max().item() for k in ("video", "actions"))
     else:
@@ -246,8 +246,8 @@ def test_one_graph_per_forward_captured_matches_dense_eager(family, no_host_chec
         compile_blocks(model.layers, backend)
         captured = _warm_up(model, runtime, "forward")
         with torch.no_grad(), captured.serving():
-            got = paged_hunyuan_generate(model, runtime, prompts, request_id="r", prefix_capacity=HY_CAPACITY,
-                                         num_steps=steps, seed=5)
+            got = paged_run(model, runtime, prompts=prompts, owner_id="r", prefix_capacity=HY_CAPACITY,
+                            num_steps=steps, seed=5)
         forwards, diff = steps, (got - want).abs().max().item()
     if CUDA:
         torch.cuda.synchronize()

@@ -18,7 +18,7 @@ from helpers import CountingBackend
 from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
 from paged_kv_compile.adapters.tencent_hunyuan import LAYER_IDX_SOURCE
 from paged_kv_compile.errors import CaptureError, RequestError
-from paged_kv_compile.families import HunyuanSpec
+from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
 
 from . import tencent_hunyuan as th
 from .self_forcing import FillStateSelfAttention, RollingSelfAttention
@@ -27,10 +27,6 @@ from .test_tencent_hunyuan import _layers, _paged, _request, _run
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
-
-def _forward(runtime, owner_id: str, kind: str, **args):
-    """The runtime's forward of `kind` for an owner (the one call site of the runtime's forward API here)."""
-    return runtime.forward_for(owner_id, kind, **args)
 
 
 def _refused(runtime, body, match: str) -> None:
@@ -54,12 +50,12 @@ def _tencent_captured(req, options):
                            past_key_value=cache,
                            custom_pos_emb=th.get_pos_emb(req["rope"], req["step"]["position_ids"]))}
     hidden, kwargs = {}, {}
-    rt.admit_request("plan", HunyuanSpec.from_prefill_mask(req["mask"], req["scatter"][:, -1].tolist(), T))
+    rt.admit("plan", HunyuanSpec.from_prefill_mask(req["mask"], req["scatter"][:, -1].tolist(), T))
     for phase, tokens in (("prefill", S), ("step", T)):  # nothing runs: the plans only name the buckets
-        with _forward(rt, "plan", phase, prefix_capacity=S, attention_mask=phases[phase]["attention_mask"]) as active:
+        with rt.forward("plan", phase, prefix_capacity=S, attention_mask=phases[phase]["attention_mask"]) as active:
             hidden[active.bucket] = torch.zeros(B, tokens, hidden_size)
             kwargs[active.bucket] = phases[phase]
-    rt.finish_request("plan")
+    rt.release("plan")
     blocks = torch.nn.ModuleList(layers)
     captured = CapturedBlocks(blocks, rt, lambda b: ((hidden[b],), kwargs[b]), buckets=list(hidden),
                               graphs=CompiledOnlyGraphs())
@@ -146,7 +142,7 @@ def test_the_rolling_cache_history_count_is_checked_on_the_captured_path():
     compiled[0].compile(backend=CountingBackend({"inner_compiler": "aot_eager", "strict": True}), fullgraph=True,
                         dynamic=False)
     n, size = BLOCK_FRAMES * FRAME, WINDOW_FRAMES * FRAME
-    with _forward(rt, "s", "denoise") as active:
+    with rt.forward("s", "denoise") as active:
         bucket = active.bucket
     captured = CapturedBlocks(compiled, rt, lambda b: ((torch.zeros(1, n, 32), kv[0], kv[1], 16, False), {}),
                               buckets=[bucket], fallback="eager", graphs=CompiledOnlyGraphs())
@@ -157,19 +153,19 @@ def test_the_rolling_cache_history_count_is_checked_on_the_captured_path():
         for b, (noisy, clean) in enumerate(blocks[:2]):
             state = (state[0], True)  # start_block
             for i, x in enumerate(noisy + [clean]):
-                with _forward(rt, "s", "commit" if i == len(noisy) else "denoise"):
+                with rt.forward("s", "commit" if i == len(noisy) else "denoise"):
                     out = captured.call(0, x, kv[0], kv[1], *state)
                 if i < len(noisy):
                     got.append(out)
                 state = _advance(state, n, size)
-        assert state == (16, False) and captured.stats["replays"] == STEPS  # block 1's steps 2.. and its commit
+        assert state == (16, False) and captured.stats["replays"] == STEPS  # block 1: its second step and its commit
         x = blocks[2][0][0]
         _refused(rt, lambda: _call_in_forward(rt, captured, x, kv, state), r"reads 8 history tokens .* shows 16")
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def _call_in_forward(rt, captured, x, kv, state):
-    with _forward(rt, "s", "denoise"):
+    with rt.forward("s", "denoise"):
         captured.call(0, x, kv[0], kv[1], *state)
 
 
@@ -182,7 +178,7 @@ def test_a_block_that_changes_its_cache_dict_is_refused_at_warm_up():
     blocks[0].compile(backend=CountingBackend({"inner_compiler": "aot_eager", "strict": True}), fullgraph=True,
                       dynamic=False)
     kv = rt.standin(2, 1, WINDOW_FRAMES * FRAME, 2, 16, writable=True)
-    with _forward(rt, "s", "denoise") as active:
+    with rt.forward("s", "denoise") as active:
         bucket = active.bucket
     cache = {"k": kv[0], "v": kv[1], "local_end_index": 16, "new_block": True}  # a new block: 16 -> 24
     captured = CapturedBlocks(blocks, rt, lambda b: ((torch.zeros(1, BLOCK_FRAMES * FRAME, 32), cache, 0), {}),
