@@ -237,10 +237,9 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
         if _pool_geometry(runtime) != pool_shape:
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime "
                                "(shape and dtype must match: an FP8 pool adds its scales as an input)")
-        if not active.plan.rows:  # a warm-up forward: nothing is written or visible, no layout to check against
-            return runtime, layers
-        for index, replay in mask_inputs:
-            runtime.check_dense_mask(replay(args[index]))
+        if active.plan.rows:  # a warm-up forward (no rows, nothing visible) has no layout to compare a mask with
+            for index, replay in mask_inputs:
+                runtime.check_dense_mask(replay(args[index]))
         if write_checks:
             _check_write_positions(active, [(replay(args[index]), row) for index, replay, row in write_checks], checked)
         return runtime, layers
