@@ -37,11 +37,11 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 
-def _dreamzero(granularity: str, fallback: str = "error", **config):
-    """Tiny DreamZero compiled (aot_eager) and captured; its cross-attention K/V in shared regions."""
+def _dreamzero(granularity: str, fallback: str = "error", sessions: int = 1):
+    """Tiny DreamZero compiled (aot_eager) and captured; each session's cross-attention K/V in 2 shared regions."""
     model = DreamZeroModel(DZ_CFG, seed=1)
     runtime = PagedKVRuntime(dreamzero_runtime_config(DZ_CFG, block_size=8, kernel="reference", buckets=[BUCKET],
-                                                      cross_regions=2, **config))
+                                                      sessions=sessions, cross_regions=2 * sessions))
     runtime.bind(model.blocks)
     compile_blocks(model.blocks, CountingBackend({"inner_compiler": "aot_eager"}))
     captured = CapturedBlocks(model.blocks, runtime, lambda b: dreamzero_block_inputs(model, runtime, b),
