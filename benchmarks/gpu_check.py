@@ -1,4 +1,5 @@
-"""One GPU check: the gpu-marked tests, both families' loops captured and replayed, and the GPU suite.
+"""One GPU check: the gpu-marked tests, both families' loops captured and replayed, the GPU suite, and whole
+models at real size (e2e_scale).
 
 Run on a CUDA machine from the repository root (the project need not be installed; the tests pass the
 paged_kv backend callable to torch.compile themselves, so no entry point is needed):
@@ -15,11 +16,16 @@ Checks, in order, each PASS / FAIL / SKIP with its reason and figures:
                that runs ahead of the stream; per-test outcome and figures
   gpu suite    benchmarks/gpu_suite.py at the real head geometries (2 layers, 5 repeats): paged vs dense,
                eager and graph replay, failing above its per-dtype tolerance
+  e2e scale    benchmarks/e2e_scale.py: DreamZero-14B and HunyuanImage-3 (real attention geometry) whole
+               forwards, dense vs paged captured per block and per forward (ms per chunk / prefill / step,
+               ratios per repeat, host share, launches per forward, peak memory, max |paged - dense|)
 Exit status 0 only when every check passed (SKIPs with a reason are allowed); 1 on any failure or a
 check that did not finish. One JSON with everything goes to --out (default $OUT/gpu_check.json when $OUT
-is set, else gpu_check.json). Budget: the tests get --tests-timeout seconds (default 270), the suite runs after.
+is set, else gpu_check.json). Budget (about 8 minutes on one H200): the tests get --tests-timeout seconds
+(default 270), the suite and e2e_scale run after.
 
-    python3 benchmarks/gpu_check.py --dry-run   # on a CPU: the same checks, tiny (see tests/test_gpu.py)
+    python3 benchmarks/gpu_check.py --dry-run   # on a CPU: the same checks, tiny (see tests/test_gpu.py,
+                                                # tests/test_e2e_scale.py)
 """
 
 from __future__ import annotations
@@ -122,15 +128,19 @@ def check_gpu_tests(dry: bool, work: Path, timeout: float) -> dict:
 
 
 def check_gpu_suite(dry: bool, work: Path) -> dict:
+    import torch
+
     from benchmarks import gpu_suite
     from paged_kv_compile.ops import flash_attn as fa
+
+    capability = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else None
 
     out = work / "gpu_suite.json"
     if dry:
         argv = ["--dry-run", "--layers", "1", "--repeats", "1"]
     else:
         argv = ["--layers", "2", "--repeats", "5"]
-        if isinstance(fa.select(16), str):  # the suite's block size; no build: run reference and triton only
+        if isinstance(fa.select(16, capability=capability), str):  # the suite's block size; none: reference, triton
             argv += ["--kernels", "reference,triton"]
     t0 = time.perf_counter()
     try:
@@ -146,9 +156,32 @@ def check_gpu_suite(dry: bool, work: Path) -> dict:
                 for c in report.get("cases", []) for name, v in c.get("variants", {}).items()]
     status = PASS if rc == 0 else FAIL
     detail = error or ("" if rc == 0 else f"gpu_suite exit {rc}: mismatches or errors, see report")
-    flash_note = "" if not isinstance(fa.select(16), str) else f"flash_attn not run: {fa.select(16)}"
+    picked = fa.select(16, capability=capability)
+    flash_note = "" if not isinstance(picked, str) else f"flash_attn not run: {picked}"
     return {"status": status, "detail": detail or flash_note, "seconds": seconds, "argv": argv,
             "variants": variants, "report": report}
+
+
+def check_e2e(dry: bool, work: Path) -> dict:
+    """benchmarks/e2e_scale.py (its dry run on a CPU); PASS when it exits 0 (parity and launch counts held)."""
+    from benchmarks import e2e_scale
+
+    out = work / "e2e_scale.json"
+    out.unlink(missing_ok=True)
+    argv = ["--dry-run"] if dry else []
+    t0 = time.perf_counter()
+    try:
+        rc = e2e_scale.main([*argv, "--out", str(out)])
+        error = ""
+    except Exception as e:  # noqa: BLE001 - reported as this check's failure
+        rc, error = None, f"{type(e).__name__}: {e}"
+    seconds = round(time.perf_counter() - t0, 1)
+    report = json.loads(out.read_text()) if out.exists() else {}
+    problems = [p for fam in report.get("families", {}).values() for p in fam.get("problems", [])]
+    status = PASS if rc == 0 else FAIL
+    detail = error or ("; ".join(problems) if problems else "" if rc == 0 else f"e2e_scale exit {rc}")
+    return {"status": status, "detail": detail, "seconds": seconds, "argv": argv,
+            "rows": e2e_scale.table_rows(report) if report else [], "report": report}
 
 
 def _print_summary(result: dict) -> None:
@@ -166,6 +199,9 @@ def _print_summary(result: dict) -> None:
             if v["variant"].startswith("paged"):
                 print(f"          {v['case']:24} {v['variant']:18} max|diff| {v['max_abs_diff_vs_dense']:.2e}  "
                       f"rel {v['rel_diff_vs_dense']:.2e}  eager {v['eager_ms']} ms  graph {v['graph_ms']} ms")
+        for row in check.get("rows", []):
+            print(f"          {row['family']:9} {row['variant']:13} {row['kind']:7} {row['ms']:>9} ms  "
+                  f"/ dense {row['ratio']:24} host {row['host']} ms ({row['share']})  launches {row['launches']}")
     print(f"overall: {result['status']}   JSON: {result['out']}")
 
 
@@ -174,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="run the same checks on a CPU, tiny")
     parser.add_argument("--out", default=None, help="JSON report (default $OUT/gpu_check.json or gpu_check.json)")
     parser.add_argument("--tests-timeout", type=float, default=270.0, help="seconds for the gpu tests")
+    parser.add_argument("--skip-tests", action="store_true", help="leave out the gpu tests")
     parser.add_argument("--skip-suite", action="store_true", help="leave out the GPU suite")
+    parser.add_argument("--skip-e2e", action="store_true", help="leave out e2e_scale")
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else _default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -182,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     checks = {"environment": check_environment(args.dry_run)}
     if checks["environment"]["status"] == PASS:
-        checks["gpu tests"] = check_gpu_tests(args.dry_run, work, args.tests_timeout)
+        if not args.skip_tests:
+            checks["gpu tests"] = check_gpu_tests(args.dry_run, work, args.tests_timeout)
         if not args.skip_suite:
             checks["gpu suite"] = check_gpu_suite(args.dry_run, work)
+        if not args.skip_e2e:
+            checks["e2e scale"] = check_e2e(args.dry_run, work)
     failed = [name for name, c in checks.items() if c["status"] == FAIL]
     result = {"benchmark": "gpu_check", "dry_run": args.dry_run, "status": FAIL if failed else PASS,
               "failed": failed, "seconds": round(time.perf_counter() - t0, 1), "out": str(out), "checks": checks}

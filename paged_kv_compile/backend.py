@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from . import binding, layout
+from .capture import calls
 from .config import INNER_COMPILERS, KERNELS, Bucket
 from .errors import BindingError, ConfigError, RequestError
 from .passes.extra_inputs import extra_values
@@ -198,9 +199,13 @@ def _pool_geometry(runtime) -> tuple:
 
 def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool_shape: tuple,
                     mask_inputs: list[tuple[int, Callable]]) -> Callable:
-    """The function dynamo calls: appends the pool and the calling layer's metadata views.
+    """The function dynamo calls: its host checks, then the inner graph with the pool and the calling layer's
+    metadata views appended.
 
-    A plain function (not a callable object), so tools that read `__code__` (depyf) can name it.
+    Two parts, because a CUDA-graph replay runs only the second: `host_checks(args) -> (runtime, layers)` is
+    every per-call check and changes nothing; the captured path runs it on the recorded arguments before each
+    replay (`capture/calls.py`). A plain function (not a callable object), so tools that read `__code__` (depyf)
+    can name it.
     """
     weight_inputs = [s.weight_input for s in result.sites]
     write_checks = [check for s in result.sites for check in s.write_checks]
@@ -210,7 +215,8 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
     region_tokens = result.region_tokens
     inputs = result.inputs  # the inputs the rewrite added, described once (passes/extra_inputs.py)
 
-    def paged_kv_compiled_forward(*args):
+    def host_checks(args) -> tuple:
+        """Which runtime and layers these arguments serve, after every check the call promises."""
         runtime = None
         layers = []
         for index, key in zip(weight_inputs, layer_keys):
@@ -231,13 +237,24 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
         if _pool_geometry(runtime) != pool_shape:
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime "
                                "(shape and dtype must match: an FP8 pool adds its scales as an input)")
-        for index, replay in mask_inputs:
-            runtime.check_dense_mask(replay(args[index]))
+        if active.plan.rows:  # a warm-up forward (no rows, nothing visible) has no layout to compare a mask with
+            for index, replay in mask_inputs:
+                runtime.check_dense_mask(replay(args[index]))
         if write_checks:
             _check_write_positions(active, [(replay(args[index]), row) for index, replay, row in write_checks], checked)
+        return runtime, layers
+
+    def paged_kv_compiled_forward(*args):
+        runtime, layers = host_checks(args)
         runtime.record_layers(layers)
-        return compiled(*args, *extra_values(inputs, runtime.pool, active.meta, layers))
+        extras = extra_values(inputs, runtime.pool, runtime.active.meta, layers)
+        out = compiled(*args, *extras)
+        if calls.recording():
+            calls.report(calls.PagedCall(paged_kv_compiled_forward, args, runtime, tuple(layers), tuple(extras), out))
+        return out
 
     paged_kv_compiled_forward.pass_result = result
     paged_kv_compiled_forward.bucket = bucket
+    paged_kv_compiled_forward.host_checks = host_checks
+    paged_kv_compiled_forward.compiled = compiled
     return paged_kv_compiled_forward

@@ -132,13 +132,14 @@ def test_fp8_pool_on_device(name, kernel, pool_dtype, no_host_checks):
 # ---- both families' loops, compiled with Inductor, captured and replayed --------------------------------
 
 
-def _warm_up(model, runtime) -> CapturedBlocks:
+def _warm_up(model, runtime, granularity: str = "block") -> CapturedBlocks:
     """warm_up (CUDA graphs) on a GPU; in the dry run the same with emulated graphs."""
     if CUDA:
-        return warm_up(model, runtime, progress=False)
+        return warm_up(model, runtime, progress=False, granularity=granularity)
     blocks, inputs, family = model_blocks_and_inputs(model, runtime)
     buckets = runtime.config.buckets or (dreamzero_buckets(model.cfg) if family == "dreamzero" else None)
-    captured = CapturedBlocks(blocks, runtime, inputs, buckets=buckets, graphs=EmulatedGraphs())
+    captured = CapturedBlocks(blocks, runtime, inputs, buckets=buckets, graphs=EmulatedGraphs(),
+                              granularity=granularity)
     captured.warmup(progress=False)
     return captured.install()
 
@@ -211,13 +212,61 @@ def test_hunyuan_captured_generation_matches_dense_eager(kernel, no_host_checks)
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
 
 
+@pytest.mark.parametrize("family", ["dreamzero", "hunyuan"])
+def test_one_graph_per_forward_captured_matches_dense_eager(family, no_host_checks):
+    """granularity="forward": one CUDA graph per bucket over every block, one launch per forward, through the
+    models' own loops (DreamZero's cross-attention K/V in shared regions: a forward graph takes no per-layer
+    tensors)."""
+    kernel = "triton" if CUDA else "reference"
+    backend = CountingBackend({"inner_compiler": INNER if CUDA else "aot_eager"})
+    if family == "dreamzero":
+        num_chunks, steps = (3, 1) if DRY else (10, 2)
+        dense = _dreamzero_dense(num_chunks, steps)
+        model = DreamZeroModel(DZ_CFG, seed=1).to(DEVICE)
+        runtime = PagedKVRuntime(dreamzero_runtime_config(DZ_CFG, block_size=DZ_CFG.frame_seqlen // 2, kernel=kernel,
+                                                          cross_regions=2, device=DEVICE))
+        runtime.bind(model.blocks)
+        compile_blocks(model.blocks, backend)
+        captured = _warm_up(model, runtime, "forward")
+        with torch.no_grad(), captured.serving():
+            paged = paged_run(model, runtime, num_chunks=num_chunks, num_inference_steps=steps, seed=3,
+                              shared_kv=True)
+        forwards = num_chunks * steps + num_chunks - 1 - len(dense["resets"])
+        diff = max((dense[k] - paged[k]).abs().max().item() for k in ("video", "actions"))
+    else:
+        steps, prompts = (2 if DRY else 4), _prompts([9, 5], seed=1)
+        with torch.no_grad():
+            want = hunyuan_generate(HunyuanImage3Model(HY_CFG, seed=2).to(DEVICE), prompts,
+                                    prefix_capacity=HY_CAPACITY, num_steps=steps, seed=5)
+        model = HunyuanImage3Model(HY_CFG, seed=2).to(DEVICE)
+        runtime = PagedKVRuntime(hunyuan_runtime_config(
+            HY_CFG, max_prefix=HY_CAPACITY, block_size=4, kernel=kernel,
+            buckets=hunyuan_buckets(HY_CFG, [HY_CAPACITY], rows=(2,)), device=DEVICE))
+        runtime.bind(model.layers)
+        compile_blocks(model.layers, backend)
+        captured = _warm_up(model, runtime, "forward")
+        with torch.no_grad(), captured.serving():
+            got = paged_run(model, runtime, prompts=prompts, owner_id="r", prefix_capacity=HY_CAPACITY,
+                            num_steps=steps, seed=5)
+        forwards, diff = steps, (got - want).abs().max().item()
+    if CUDA:
+        torch.cuda.synchronize()
+    record(f"{family} one graph per forward {kernel}", max_abs_diff_vs_dense=diff, forwards=forwards,
+           launches=captured.stats["replays"], graphs="cuda" if CUDA else "emulated")
+    assert diff <= FP32_ATOL
+    assert captured.stats["replays"] == forwards and captured.stats["direct_calls"] == 0
+    assert all(b.cuda_graphs == 1 for b in captured.report.buckets)
+    assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
+
+
 # ---- flash-attn (only where a build is importable) -----------------------------------------------------
 
 
 def test_flash_attn_captured_matches_reference(no_host_checks):
     if not CUDA:
         pytest.skip("flash-attn runs on CUDA only")
-    picks = {block: fa.select(block) for block in (16, 256)}  # vLLM's build / FA3 take 16, FA2 needs 256
+    capability = torch.cuda.get_device_capability()[0]
+    picks = {block: fa.select(block, capability=capability) for block in (16, 256)}  # FA2 needs 256
     usable = [block for block, picked in picks.items() if not isinstance(picked, str)]
     if not usable:
         pytest.skip(f"no flash-attn build here: {picks[16]}")

@@ -21,7 +21,7 @@ from paged_kv_compile.ops import resolve_kernel
 
 from _opcases import dense_oracle, expected_pool, make_case
 
-FLASH_MODULES = ("flash_attn_interface", "flash_attn", "vllm.vllm_flash_attn")
+FLASH_MODULES = ("flash_attn_interface", "flash_attn", "flash_attn.cute", "vllm.vllm_flash_attn")
 
 
 @pytest.fixture
@@ -114,7 +114,27 @@ def _fake_vllm_module(calls, fa3: bool = False):
     return module
 
 
+def _fake_fa4_module(calls):
+    """flash-attn 4's `flash_attn.cute.flash_attn_varlen_func` with a page table, as flash_attn/cute/interface.py
+    (4.0.0b36) checks it: batched q, pages (num_pages, page_size, Hkv, D), int32 page_table with a unit last
+    stride and int32 seqused_k, no cu_seqlens_k; returns (out, lse)."""
+
+    def flash_attn_varlen_func(q, k, v, seqused_k=None, page_table=None, softmax_scale=None, causal=False, **kw):
+        assert not kw, f"unexpected keywords {sorted(kw)}"
+        assert q.dim() == 4 and k.dim() == 4 and k.shape == v.shape
+        assert page_table.dtype == seqused_k.dtype == torch.int32 and page_table.shape[0] == q.shape[0]
+        _check_flash_inputs(1, k, page_table, seqused_k)
+        calls.append(dict(k_cache=k, v_cache=v, causal=causal, build="flash_attn.cute"))
+        return _paged_attention(q, k, v, page_table, seqused_k, softmax_scale, _fa_mask(q.shape[1], causal), 0.0), None
+
+    module = types.ModuleType("flash_attn.cute")
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
 def _fake_flash(flavor: str, calls: list) -> tuple[str, types.ModuleType]:
+    if flavor == "fa4":
+        return "flash_attn.cute", _fake_fa4_module(calls)
     if flavor in ("vllm", "vllm-fa3"):
         return "vllm.vllm_flash_attn", _fake_vllm_module(calls, fa3=flavor == "vllm-fa3")
     name, kw = {"fa2": ("flash_attn", "block_table"), "fa3": ("flash_attn_interface", "page_table")}[flavor]
@@ -127,11 +147,13 @@ def _case(visibility: str, block_size: int, dtype=torch.bfloat16, meta_layout="c
                      modes=modes, right_aligned=True, layout="transposed", dtype=dtype, meta_layout=meta_layout)
 
 
-BUILD_RAN = {"fa2": "flash_attn", "fa3": "flash_attn_interface", "vllm": "vllm fa2", "vllm-fa3": "vllm fa3"}
+BUILD_RAN = {"fa2": "flash_attn", "fa3": "flash_attn_interface", "fa4": "flash_attn.cute", "vllm": "vllm fa2",
+             "vllm-fa3": "vllm fa3"}
 
 
 @pytest.mark.parametrize("visibility", ["full", "causal"])
-@pytest.mark.parametrize("flavor, block_size", [("fa2", 256), ("fa3", 4), ("fa3", 3), ("vllm", 16), ("vllm-fa3", 32)])
+@pytest.mark.parametrize("flavor, block_size", [("fa2", 256), ("fa3", 4), ("fa3", 3), ("fa4", 3), ("fa4", 16),
+                                                ("vllm", 16), ("vllm-fa3", 32)])
 @pytest.mark.parametrize("meta_layout", ["contiguous", "strided"])
 def test_flash_attn_adapter_passes_the_pool_table_and_lengths(no_vendor_modules, flavor, block_size, visibility,
                                                               meta_layout):
@@ -181,6 +203,24 @@ def test_flash_attn_prefers_a_build_whose_rule_the_block_size_meets(no_vendor_mo
     case = _case("full", block_size=16)
     torch.ops.paged_kv.write_attend(*case.args(), case.scale, "flash_attn", visibility="full")
     assert [c["build"] for c in calls] == ["vllm fa3"]
+
+
+def test_flash_attn_4_runs_on_hopper_and_blackwell_only_and_a_bare_flash_attn_namespace_is_not_flash_attn_2(
+        no_vendor_modules):
+    """FA4 asserts on SM 8.0 and 12.x for paged KV: another device is refused with the reason. FA4's wheel installs
+    `flash_attn/cute` alone, so `import flash_attn` can succeed without flash-attn 2 in it: never taken for it."""
+    calls: list = []
+    no_vendor_modules.setitem(sys.modules, "flash_attn.cute", _fake_fa4_module(calls))
+    no_vendor_modules.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # the namespace package
+    assert fa.describe(256) == "flash_attn.cute (flash-attn 4)"
+    assert fa.select(16, capability=9)[0].module == "flash_attn.cute"
+    assert fa.select(16, capability=10)[0].module == "flash_attn.cute"
+    for major in (8, 12):
+        why = fa.select(16, capability=major)
+        assert isinstance(why, str) and f"compute capability {major}.x" in why and "SM 9.x-11.x" in why, why
+    no_vendor_modules.setitem(sys.modules, "flash_attn.cute", None)
+    fa.load_module.cache_clear()
+    assert "none is importable" in fa.select(256)
 
 
 def test_flash_attn_refuses_layouts_it_cannot_express(no_vendor_modules):

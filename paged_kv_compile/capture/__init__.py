@@ -16,14 +16,14 @@ unmodified tensor was copied last, e.g. RoPE tables shared by all blocks) and th
 that block's graph and copies the outputs out; on a machine without a GPU it calls the compiled block
 on the same static buffers, so the address logic is the same and tested.
 
-Graph granularity: one CUDA graph per (bucket, block), all captured into ONE shared memory pool,
-not one graph over the whole stack. The models own their loop over blocks (`for block in
-self.blocks: x = block(x, ...)`) and nothing runs between two blocks that a graph over the stack
-could replace without deferring every block's result to the last one; per-block graphs keep every
-returned tensor real, keep the binding property that blocks may run in any order or be skipped, and
-cost one graph launch per block (microseconds against milliseconds of block compute at real sizes;
-vLLM's piecewise graphs make the same trade). Static outputs live in per-bucket buffers that each
-graph writes last, so the graphs' intermediates are reused across captures through the shared pool.
+Graph granularity: by default one CUDA graph per (bucket, block), all captured into ONE shared memory
+pool. Per-block graphs keep every returned tensor real, keep the binding property that blocks may run in
+any order or be skipped, and cost one graph launch per block (vLLM's piecewise graphs make the same trade);
+static outputs live in per-bucket buffers that each graph writes last, so the graphs' intermediates are
+reused across captures through the shared pool. `granularity="forward"` captures one graph per bucket over
+every block in the model's order: one copy-in and one launch per forward, the blocks' order and chaining
+checked at every call (`capture/forward_graph.py`). In both modes a replay runs no Python of the compiled
+functions, so their per-call host checks, recorded at capture (`capture/calls.py`), run before each launch.
 
 A forward whose bucket was not warmed up raises `RequestError` naming it and the warmed-up ones
 (the runtime already refuses shapes outside its configured buckets). With `fallback="eager"` such a
@@ -35,7 +35,7 @@ silent recompile is an error; captured calls enforce that stance themselves as w
 
 from ..errors import CaptureError
 from .blocks import FALLBACKS, CapturedBlocks, ExampleInputs, model_blocks_and_inputs, warm_up
-from .graphs import CudaGraphs, EmulatedGraphs
+from .graphs import CompiledOnlyGraphs, CudaGraphs, EmulatedGraphs
 from .report import BucketWarmup, WarmupReport, format_bucket
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "BucketWarmup",
     "CaptureError",
     "CapturedBlocks",
+    "CompiledOnlyGraphs",
     "CudaGraphs",
     "EmulatedGraphs",
     "ExampleInputs",

@@ -20,7 +20,9 @@ from torch.utils import _pytree as pytree
 from .. import binding, families
 from ..config import Bucket
 from ..errors import CaptureError, ConfigError, RequestError
-from .graphs import CudaGraphs, EmulatedGraphs
+from .calls import record_calls
+from .forward_graph import GRANULARITIES, ForwardGraph
+from .graphs import CompiledOnlyGraphs, CudaGraphs, EmulatedGraphs
 from .report import BucketWarmup, WarmupReport, format_bucket, progress_bar, unique_graphs
 from .static import BucketState, copy_out
 
@@ -64,6 +66,9 @@ class CapturedBlocks:
     gives the (args, kwargs) of one block call of that bucket. capture: "auto" (CUDA graphs when the
     pool is on a CUDA device), True or False. fallback: "error" (a forward of a bucket that was not
     warmed up raises) or "eager" (it runs uncaptured, compiling that shape once, with a warning).
+    granularity: "block" (one graph per block and bucket: blocks in any order) or "forward" (one graph per
+    bucket over every block in the model's order, one copy-in and one launch per forward:
+    `capture/forward_graph.py` says what it costs).
     """
 
     def __init__(
@@ -76,10 +81,14 @@ class CapturedBlocks:
         capture: bool | str = "auto",
         fallback: str = "error",
         warmup_iters: int = 2,
-        graphs: CudaGraphs | EmulatedGraphs | None = None,
+        graphs: CudaGraphs | EmulatedGraphs | CompiledOnlyGraphs | None = None,
+        granularity: str = "block",
     ) -> None:
         if fallback not in FALLBACKS:
             raise ConfigError(f"unknown fallback {fallback!r}; choose one of {', '.join(FALLBACKS)}")
+        if granularity not in GRANULARITIES:
+            raise ConfigError(f"unknown granularity {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
+        self.granularity = granularity
         if isinstance(blocks, torch.nn.ModuleList):
             self.module_list: torch.nn.ModuleList | None = blocks
         else:
@@ -120,8 +129,10 @@ class CapturedBlocks:
         self._warned: set = set()
         self._installed = False
         self.report: WarmupReport | None = None
-        self.stats = {"replays": 0, "direct_calls": 0, "copies": 0, "copies_skipped": 0,
-                      "fallback_calls": 0, "fallback_compiles": 0}
+        # replays: graph launches (per block, or per forward with granularity="forward", whose other block calls
+        # count in forward_served); checks: recorded host checks run before launches
+        self.stats = {"replays": 0, "checks": 0, "forward_served": 0, "direct_calls": 0, "copies": 0,
+                      "copies_skipped": 0, "fallback_calls": 0, "fallback_compiles": 0}
         self.fallback_buckets: set[Bucket] = set()
 
     # ---- warm-up --------------------------------------------------------------------------------
@@ -156,7 +167,8 @@ class CapturedBlocks:
         if bar is not None:
             bar.set_postfix_str("done")
             bar.close()
-        kind = "none" if not self.capture else ("cuda" if isinstance(self.graphs, CudaGraphs) else "emulated")
+        kind = "none" if not self.capture else {CudaGraphs: "cuda", CompiledOnlyGraphs: "compiled-only"}.get(
+            type(self.graphs), "emulated")
         self.report = WarmupReport(timings, self.capture, time.perf_counter() - start, kind)
         return self.report
 
@@ -178,8 +190,16 @@ class CapturedBlocks:
             seen = getattr(active, "layers_seen", None)
             for i in range(len(self.blocks)):
                 before = set(seen) if seen is not None else set()
-                out = self._static_call(state, i)
+                args, kwargs = pytree.tree_unflatten(state.static_leaves(), state.spec)
+                out = self.blocks[i](*args, **kwargs)
                 state.site_layers[i] = (set(seen) - before) if seen is not None else set()
+                changed = state.changed(args, kwargs)
+                if changed:
+                    raise CaptureError(
+                        f"block {i} changes its arguments' Python state while it runs ({changed} after the call): a "
+                        "captured call cannot (a replay runs no Python, and the block gets copies of the caller's "
+                        "containers). Pass such state (e.g. a cache dict's fill state) in as arguments and keep it in "
+                        "the caller")
                 for leaf in pytree.tree_leaves(out):
                     if isinstance(leaf, torch.Tensor) and not bool(torch.isfinite(leaf).all()):
                         raise CaptureError(f"block {i} gave non-finite outputs in the warm-up forward of {bucket}")
@@ -201,14 +221,25 @@ class CapturedBlocks:
         graphs = unique_graphs() - graphs0
         capture_s = self._capture(state) if self.capture else 0.0
         self._states[bucket] = state
-        return BucketWarmup(bucket, compile_s, capture_s, graphs, len(state.graphs))
+        return BucketWarmup(bucket, compile_s, capture_s, graphs, len(state.graphs) + (state.forward is not None))
 
     def _capture(self, state: BucketState) -> float:
-        """One graph per block for this bucket, all in the shared pool; outputs go to static buffers."""
+        """One graph per block for this bucket, all in the shared pool; outputs go to static buffers. With
+        granularity="forward", one graph over every block instead (`ForwardGraph`).
+
+        The compiled paged calls each block's capture made are kept (`state.calls`): a captured call runs their
+        host checks before its replay."""
         t0 = time.perf_counter()
         graphs, n = self.graphs, len(self.blocks)
+        inputs = [s.buffer for s in state.slots if s.buffer is not None]
         with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"), \
                 self.runtime.warmup_forward(state.bucket):
+            if self.granularity == "forward":
+                state.forward = ForwardGraph(state, self.blocks)
+                state.forward.capture(graphs, self.warmup_iters)
+                state.out_buffers = state.forward.kept()
+                graphs.synchronize()
+                return time.perf_counter() - t0
             graphs.warm(lambda: [self._static_call(state, i) for i in range(n)], self.warmup_iters)
             out_buffers: dict[tuple, torch.Tensor] = {}
             for i in range(n):
@@ -225,15 +256,11 @@ class CapturedBlocks:
                         targets.append(None)
                 del probe, leaves
 
-                def region(i=i, targets=targets):
-                    got = pytree.tree_leaves(self._static_call(state, i))
-                    for target, leaf in zip(targets, got):
-                        if target is not None:
-                            target.copy_(leaf)  # the graph's last kernels: results into static outputs
-                    return got
-
-                graph, got = graphs.capture(region)
+                with record_calls() as made:
+                    graph, got = graphs.capture(lambda i=i: pytree.tree_leaves(self._static_call(state, i)),
+                                                targets, inputs)
                 state.graphs[i] = graph
+                state.calls[i] = made
                 # Stand-in outputs (returned caches) are views of fixed stand-ins: kept as they are.
                 state.outputs[i] = pytree.tree_unflatten(
                     [t if t is not None else leaf for t, leaf in zip(targets, got)], out_spec
@@ -292,21 +319,55 @@ class CapturedBlocks:
                 "add it to the runtime's configured buckets and warm up again",
             )
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if state.forward is not None:
+            return self._forward_call(index, state, leaves, spec, args, kwargs, active.generation)
         why = state.mismatch(leaves, spec)
         if why:
             return self._fallback(index, bucket, args, kwargs, f"block {index}'s call for {bucket}: {why}",
                                   "call the blocks exactly as the model's loop does at warm-up")
-        state.copy_in(leaves, self.stats)
+        state.copy_in(leaves, self.stats, active.generation)
         if state.graphs:
+            layers = self._host_checks(state.calls[index])  # on the static buffers, which now hold this call
             state.graphs[index].replay()
-            # the site's Python did not run: record what the captured call served
-            self.runtime.record_layers(state.site_layers.get(index, ()))
+            self.runtime.record_layers(layers)  # the compiled function's Python did not run: record what it served
             self.stats["replays"] += 1
             return pytree.tree_map(copy_out, state.outputs[index])
         self.stats["direct_calls"] += 1
         call_args, call_kwargs = pytree.tree_unflatten(state.call_leaves(leaves), state.spec)
         with torch.compiler.set_stance("fail_on_recompile"):
             return self.blocks[index](*call_args, **call_kwargs)
+
+    def _forward_call(self, index: int, state: BucketState, leaves: list, spec, args: tuple, kwargs: dict,
+                      generation: int):
+        """granularity="forward": block 0 copies in, checks every block and launches; later blocks are served."""
+        graph = state.forward
+        if index == 0:
+            why = state.mismatch(leaves, spec)
+            if not why:
+                state.copy_in(leaves, self.stats, generation)
+                graph.launch(leaves, generation, self._host_checks)
+                self.stats["replays"] += 1
+        else:
+            why = graph.follows(index, leaves, spec, generation)
+        if why:
+            graph.launch_state = None  # the rest of this forward is not the captured one either
+            return self._fallback(index, state.bucket, args, kwargs, f"block {index}'s call for {state.bucket}: {why}",
+                                  "call the blocks exactly as the model's loop does at warm-up")
+        out, layers = graph.serve(index)
+        self.runtime.record_layers(layers)
+        self.stats["forward_served"] += 1
+        return out
+
+    def _host_checks(self, made: list) -> list[int]:
+        """Every check the recorded compiled calls make per call, before a replay; the layers they serve.
+
+        A check that fails raises here, before anything ran: the runtime rolls the forward back as it would an
+        uncaptured call's failure."""
+        layers: list[int] = []
+        for call in made:
+            layers += call.check(self.runtime)
+            self.stats["checks"] += 1
+        return layers
 
     def _fallback(self, index: int, bucket: Bucket, args: tuple, kwargs: dict, why: str, fix: str):
         if self.fallback == "error":
@@ -348,6 +409,7 @@ def warm_up(
     fallback: str = "error",
     progress: bool = True,
     install: bool = True,
+    granularity: str = "block",
 ) -> CapturedBlocks:
     """Warm up (compile, and capture on CUDA) every bucket of a reference model's compiled blocks.
 
@@ -358,7 +420,8 @@ def warm_up(
     blocks, inputs, family = model_blocks_and_inputs(model, runtime)
     if buckets is None and not runtime.config.buckets:
         buckets = families.get(family).default_buckets(model.cfg)
-    captured = CapturedBlocks(blocks, runtime, inputs, buckets=buckets, capture=capture, fallback=fallback)
+    captured = CapturedBlocks(blocks, runtime, inputs, buckets=buckets, capture=capture, fallback=fallback,
+                              granularity=granularity)
     captured.warmup(progress=progress)
     if install:
         captured.install()

@@ -30,14 +30,15 @@ class WarmupReport:
     buckets: list[BucketWarmup]
     captured: bool
     total_s: float
-    graphs: str = "none"  # "cuda", "emulated" or "none"
+    graphs: str = "none"  # "cuda", "emulated", "compiled-only" or "none"
 
     def as_dict(self) -> dict:
         return {"captured": self.captured, "graphs": self.graphs, "total_s": round(self.total_s, 4),
                 "buckets": [b.as_dict() for b in self.buckets]}
 
     def format(self) -> str:
-        mode = {"cuda": "compiled and captured as CUDA graphs", "emulated": "compiled and captured (emulated graphs)"
+        mode = {"cuda": "compiled and captured as CUDA graphs", "emulated": "compiled and captured (emulated graphs)",
+                "compiled-only": "compiled and captured (replays run the compiled graphs only)",
                 }.get(self.graphs, "compiled (no CUDA graphs on this device)")
         lines = [f"warm-up: {len(self.buckets)} bucket(s) {mode} in {self.total_s:.2f} s"]
         for b in self.buckets:

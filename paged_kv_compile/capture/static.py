@@ -1,9 +1,10 @@
 """Static input and output buffers of captured block calls, and how a call is matched against them.
 
 A captured graph reads fixed addresses, so every block call of a bucket copies its tensor arguments into
-one buffer per argument position (`BucketState`), is refused when its arguments are not what was
-warmed up (`BucketState.mismatch`), and hands out copies of the static outputs (`copy_out`). Cache
-stand-ins (`binding.is_standin`) are already at fixed addresses and pass through.
+one buffer per argument position (`BucketState`; within one forward, a tensor already copied is not copied
+again), is refused when its arguments are not what was warmed up (`BucketState.mismatch`), and hands out
+copies of the static outputs (`copy_out`). Cache stand-ins (`binding.is_standin`) are already at fixed
+addresses and pass through.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Slot:
     kind: str
     sig: Any
     buffer: torch.Tensor | None = None  # the static buffer of a tensor argument
-    last: tuple | None = None  # (weakref to the last source, its version): skip an identical copy
+    last: tuple | None = None  # (weakref to the last source, its version, the forward): skip an identical copy
 
 
 @dataclass
@@ -83,6 +84,8 @@ class BucketState:
     outputs: dict[int, Any] = field(default_factory=dict)  # block index -> output tree over static buffers
     out_buffers: list[torch.Tensor] = field(default_factory=list)
     site_layers: dict[int, set] = field(default_factory=dict)  # block index -> layers its paged sites serve
+    calls: dict[int, list] = field(default_factory=dict)  # block index -> the paged calls its capture made
+    forward: Any = None  # granularity="forward": the bucket's ForwardGraph (capture/forward_graph.py)
 
     def static_leaves(self) -> list:
         return [s.buffer if s.kind == TENSOR else leaf for s, leaf in zip(self.slots, self.example)]
@@ -116,8 +119,25 @@ class BucketState:
                 return f"argument {n} is a {describe(kind, sig)}, warmed up as a {describe(slot.kind, slot.sig)}"
         return ""
 
-    def copy_in(self, leaves: list, stats: dict) -> None:
-        """Copy a call's tensor arguments into the static buffers; an unchanged tensor copied last is skipped."""
+    def changed(self, args: tuple, kwargs: dict) -> str:
+        """What a block call changed in the containers of its static arguments ("" when nothing): dynamo replays
+        such Python side effects (a cache dict's fill state) after the graph, a captured replay cannot."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        why = self.mismatch(leaves, spec)
+        if why:
+            return why
+        for n, (slot, leaf) in enumerate(zip(self.slots, leaves)):
+            if slot.kind == TENSOR and leaf is not slot.buffer:
+                return f"argument {n} now holds another tensor"
+        return ""
+
+    def copy_in(self, leaves: list, stats: dict, forward: int) -> None:
+        """Copy a call's tensor arguments into the static buffers.
+
+        The copy is skipped only for the tensor copied last by an earlier call of the same runtime forward
+        (`forward`: its generation), unmodified since (its version): the RoPE tables and modulation every block of
+        a forward receives. Never across forwards: a change made through `.data` does not bump the version, so a
+        caller's buffer refilled that way between forwards would otherwise be served stale."""
         for slot, leaf in zip(self.slots, leaves):
             if slot.kind != TENSOR:
                 continue
@@ -125,11 +145,12 @@ class BucketState:
             if leaf is buf:
                 continue
             version = tensor_version(leaf)
-            if version is not None and slot.last is not None and slot.last[0]() is leaf and slot.last[1] == version:
-                stats["copies_skipped"] += 1  # e.g. the RoPE tables every block of a forward receives
+            if (version is not None and slot.last is not None and slot.last[0]() is leaf
+                    and slot.last[1:] == (version, forward)):
+                stats["copies_skipped"] += 1
                 continue
             buf.copy_(leaf)
-            slot.last = (weakref.ref(leaf), version) if version is not None else None
+            slot.last = (weakref.ref(leaf), version, forward) if version is not None else None
             stats["copies"] += 1
 
     def call_leaves(self, leaves: list) -> list:

@@ -1,4 +1,4 @@
-"""Adapter to flash-attn's paged attention: FA3, FA2 or vLLM's build (`vllm.vllm_flash_attn`).
+"""Adapter to flash-attn's paged attention: FA3, FA4 (`flash_attn.cute`), FA2 or vLLM's `vllm.vllm_flash_attn`.
 
 The caches are the pool's halves ``kv_pool[0]``, ``kv_pool[1]`` ``[num_blocks, block_size, Hkv, D]``,
 addressed by our int32 block table and ``seq_lens``. New K/V are written first by the shared torch
@@ -45,6 +45,14 @@ def _kvcache_call(table_kw: str) -> Callable:
     return call
 
 
+def _fa4_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, **descales):
+    # flash-attn 4 (flash_attn/cute/interface.py): batched queries (R, T, H, D), pages (num_blocks, block_size, Hkv,
+    # D), page_table (R, M) int32 with a unit last stride, seqused_k (R,) int32; returns (out, lse).
+    out, _ = mod.flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=seq_lens, page_table=block_table,
+                                        softmax_scale=scale, causal=causal, **descales)
+    return out
+
+
 def vllm_fa_version(mod: ModuleType) -> int:
     """3 where vLLM's build has a usable FA3 (Hopper), else 2 -- the choice vLLM itself makes first in
     ``vllm/v1/attention/backends/fa_utils.py::get_flash_attn_version``. Without ``fa_version``
@@ -76,9 +84,17 @@ class Flavor:
     page_multiple: int
     call: Callable
     rule: str
+    entry: str = "flash_attn_with_kvcache"  # the function `call` uses: without it the module is another build
+    capabilities: tuple[int, ...] | None = None  # the compute-capability majors its paged mode runs on (None: any)
+
+    def usable(self, mod: ModuleType | None) -> bool:
+        """Imported and this build: FA4 installs `flash_attn/cute` only, so `import flash_attn` may succeed
+        without flash-attn 2 in it."""
+        return mod is not None and callable(getattr(mod, self.entry, None))
 
     def reads_fp8(self, mod: ModuleType) -> bool:
-        """Whether this build reads FP8 caches with descales: FA3 only."""
+        """Whether this build reads FP8 caches with descales: FA3 only (FA4 takes FP8 descales too, but their
+        shapes have not been checked against ours: refused until they are)."""
         if self.call is _vllm_call:
             return vllm_fa_version(mod) == 3
         return self.module == "flash_attn_interface"
@@ -87,8 +103,8 @@ class Flavor:
         """Which build and version runs, for reports (e.g. "vllm.vllm_flash_attn fa_version=3")."""
         if self.call is _vllm_call:
             return f"{self.module} fa_version={vllm_fa_version(mod)}"
-        return {"flash_attn_interface": "flash_attn_interface (flash-attn 3)"}.get(
-            self.module, f"{self.module} (flash-attn 2)")
+        return {"flash_attn_interface": "flash_attn_interface (flash-attn 3)",
+                "flash_attn.cute": "flash_attn.cute (flash-attn 4)"}.get(self.module, f"{self.module} (flash-attn 2)")
 
 
 # Page-size rules of each build's paged mode:
@@ -98,10 +114,16 @@ class Flavor:
 #   a multiple of 256", checked in csrc/flash_attn/flash_api.cpp.
 # * vLLM's build (FA2 and FA3 alike): its FlashAttention backend declares MultipleOf(16) as the supported
 #   kernel block sizes (vllm/v1/attention/backends/flash_attn.py::get_supported_kernel_block_sizes).
+# * flash-attn 4 (pip flash-attn-4 4.0.0b36, flash_attn/cute/interface.py, read from the wheel): any page size
+#   (pages of exactly its key tile, e.g. 128, load by TMA; others by cp.async, "paged_kv_non_tma"); paged KV
+#   asserts on SM 8.0 and SM 12.x, so Hopper (9.x) and Blackwell datacenter (10.x, 11.x) only.
 FLAVORS = (
     Flavor("flash_attn_interface", 1, _kvcache_call("page_table"), "flash-attn 3 takes any block size"),
+    Flavor("flash_attn.cute", 1, _fa4_call, "flash-attn 4 takes any block size on SM 9.x-11.x",
+           entry="flash_attn_varlen_func", capabilities=(9, 10, 11)),
     Flavor("flash_attn", 256, _kvcache_call("block_table"), "flash-attn 2's paged mode needs block_size % 256 == 0"),
-    Flavor("vllm.vllm_flash_attn", 16, _vllm_call, "vLLM's vllm_flash_attn needs block_size % 16 == 0"),
+    Flavor("vllm.vllm_flash_attn", 16, _vllm_call, "vLLM's vllm_flash_attn needs block_size % 16 == 0",
+           entry="flash_attn_varlen_func"),
 )
 
 
@@ -114,15 +136,23 @@ def load_module(name: str) -> ModuleType | None:
         return None
 
 
-def select(block_size: int, fp8: bool = False) -> tuple[Flavor, ModuleType] | str:
+def select(block_size: int, fp8: bool = False, capability: int | None = None) -> tuple[Flavor, ModuleType] | str:
     """The first importable build whose page-size rule `block_size` meets (and, for an FP8 pool, that
-    reads FP8 caches), or why there is none."""
-    loaded = [(f, m) for f in FLAVORS if (m := load_module(f.module)) is not None]
+    reads FP8 caches; on a device of compute-capability major `capability`, that runs there), or why there
+    is none."""
+    loaded = [(f, m) for f in FLAVORS if f.usable(m := load_module(f.module))]
     if not loaded:
         return (
-            "kernel='flash_attn' needs flash_attn (flash-attn 2), flash_attn_interface (flash-attn 3) or "
-            "vllm.vllm_flash_attn; none is importable: pip install flash-attn on a CUDA machine, or use kernel='triton'"
+            "kernel='flash_attn' needs flash_attn (flash-attn 2), flash_attn_interface (flash-attn 3), flash_attn.cute "
+            "(flash-attn 4) or vllm.vllm_flash_attn; none is importable: pip install flash-attn on a CUDA machine, or "
+            "use kernel='triton'"
         )
+    if capability is not None:
+        here = [(f, m) for f, m in loaded if f.capabilities is None or capability in f.capabilities]
+        if not here:
+            return (f"no importable flash-attn build runs paged attention on compute capability {capability}.x "
+                    f"({'; '.join(f.rule for f, _ in loaded)}): use kernel='triton'")
+        loaded = here
     if fp8:
         loaded = [(f, m) for f, m in loaded if f.reads_fp8(m)]
         if not loaded:
@@ -167,8 +197,13 @@ def unavailable_reason(query: torch.Tensor, kv_pool: torch.Tensor, visibility: s
             "flash-attn reads float8_e4m3fn caches only (vLLM refuses fp8_e5m2 for flash-attn too): use "
             "kv_dtype=torch.float8_e4m3fn or kernel='triton'"
         )
-    picked = select(kv_pool.shape[2], is_fp8(kv_pool.dtype))
+    picked = select(kv_pool.shape[2], is_fp8(kv_pool.dtype), _capability(query))
     return picked if isinstance(picked, str) else None
+
+
+def _capability(tensor: torch.Tensor) -> int | None:
+    """The compute-capability major of a CUDA tensor's device (None elsewhere)."""
+    return torch.cuda.get_device_capability(tensor.device)[0] if tensor.is_cuda else None
 
 
 def attend(
@@ -182,7 +217,7 @@ def attend(
     row_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend with flash-attn over the pool (the dispatcher wrote the new K/V), zero the padded queries."""
-    flavor, mod = select(kv_pool.shape[2], row_scales is not None)
+    flavor, mod = select(kv_pool.shape[2], row_scales is not None, _capability(query))
     causal = visibility == "causal"
     q, descales = query.contiguous(), {}
     if row_scales is not None:
