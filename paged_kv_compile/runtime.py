@@ -13,11 +13,9 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
-
-from typing import Any
 
 from . import binding, families
 from .allocator import make_allocator
@@ -26,6 +24,7 @@ from .errors import RequestError
 from .families.base import ForwardPlan, Owner
 from .layout import mask_disagreement, mask_rows
 from .metadata import BucketMetadata, MetadataBuilder
+from .ops import write_attend as write_attend_op
 from .pool import KVPool
 from .scheduler import Scheduler
 
@@ -39,6 +38,8 @@ class ActiveForward:
     meta: BucketMetadata
     generation: int
     layers_seen: set[int] = field(default_factory=set)  # layers whose compiled site ran in this forward
+    op_calls: int = 0  # the paged ops' call count when it began (`ops.write_attend.CALLS`)
+    expect_attention: bool = True  # the body must run paged attention (`_check_attention_ran`)
 
 
 class PagedKVRuntime:
@@ -68,11 +69,14 @@ class PagedKVRuntime:
         self._writable_standins: dict[tuple[int, ...], torch.Tensor] = {}
         self.bucket_misses: collections.Counter[Bucket] = collections.Counter()  # shape -> forwards refused/let through
         self._allow_unconfigured = False  # see allow_unconfigured_buckets()
+        self.bound = False  # a model's layers were bound: its forwards must run paged attention
 
     # ---- binding and stand-ins ----------------------------------------------------------------
     def bind(self, layers: Sequence[torch.nn.Module]) -> None:
-        """Tie layer i of this runtime to `layers[i]` (by its parameters' addresses)."""
+        """Tie layer i of this runtime to `layers[i]` (by its parameters' addresses). From then on every forward
+        must run paged attention (`_check_attention_ran`): a model is bound to be served through compiled sites."""
         binding.bind_layers(self, layers)
+        self.bound = True
 
     def standin(self, *shape: int, writable: bool = False) -> torch.Tensor:
         """A dense-cache-shaped tensor that compiled graphs never read.
@@ -137,8 +141,11 @@ class PagedKVRuntime:
         return self.scheduler.plan(owner_id, kind, **args)
 
     @contextlib.contextmanager
-    def forward_plan(self, plan: ForwardPlan) -> Iterator[ActiveForward]:
-        """Build the plan's metadata once, run the body with it active, then commit or roll back."""
+    def forward_plan(self, plan: ForwardPlan, *, expect_attention: bool = True) -> Iterator[ActiveForward]:
+        """Build the plan's metadata once, run the body with it active, then commit or roll back.
+
+        expect_attention=False: the body deliberately runs no paged attention (a test or a benchmark of the
+        runtime's own host work); otherwise a forward in which none ran is refused (`_check_attention_ran`)."""
         # Refusals that concern another forward come first and roll nothing back: the plan in flight
         # belongs to the active forward (nesting), or this plan was already finished/aborted (stale; its
         # blocks may belong to someone else by now, so it must never run).
@@ -152,9 +159,11 @@ class PagedKVRuntime:
             self.scheduler.abort_forward(plan)
             raise
         self.generation += 1
-        self.active = ActiveForward(plan, bucket, meta, self.generation)
+        self.active = ActiveForward(plan, bucket, meta, self.generation, op_calls=write_attend_op.CALLS,
+                                    expect_attention=expect_attention)
         try:
             yield self.active
+            self._check_attention_ran(self.active)
             self._check_all_layers_wrote(self.active)
         except BaseException:
             self.active = None
@@ -163,6 +172,23 @@ class PagedKVRuntime:
             raise
         self.active = None
         self.scheduler.finish_forward(plan)
+
+    def _check_attention_ran(self, active: ActiveForward) -> None:
+        """A forward of a bound runtime whose body ran no paged attention at all (no compiled site, no call of the
+        op) read the cache stand-ins, which hold no data, in plain PyTorch: its output is wrong. That happens when
+        the model's blocks were not compiled with backend="paged_kv", or when dynamo ran them eagerly past its
+        recompile limit. (A runtime no model was bound to is driven by hand: its forwards are not checked.)"""
+        if not (self.bound and active.expect_attention and active.plan.rows) or active.layers_seen:
+            return
+        if write_attend_op.CALLS != active.op_calls:
+            return
+        raise RequestError(
+            f"no paged attention ran in this {active.plan.kind} forward of {active.plan.owner_id!r}: the model read its "
+            "cache stand-ins (which hold no data) outside a compiled graph, so its output is wrong. Compile its blocks "
+            "with backend='paged_kv' (fullgraph=True, dynamic=False) and keep torch._dynamo.config.recompile_limit "
+            "above the bucket count (past it dynamo runs a block eagerly). The forward was rolled back. A forward that "
+            "deliberately runs no attention: runtime.forward_plan(plan, expect_attention=False)"
+        )
 
     def _check_all_layers_wrote(self, active: ActiveForward) -> None:
         """A forward that keeps its K/V (commit, prefill) must have run every layer's site.

@@ -133,3 +133,28 @@ def test_a_stale_binding_does_not_block_new_weights_at_its_address():
     second = PagedKVRuntime(dreamzero_runtime_config(CFG, block_size=8, kernel="reference"))
     second.bind(new.blocks)  # ... and the old layers hold none of them: the first binding is stale
     assert resolve(new.blocks[0].self_attn.qkv.weight) == (second, 0)
+
+
+def test_a_bound_model_run_uncompiled_is_refused_not_silently_wrong():
+    """A bound model whose blocks were not compiled reads its zero stand-ins in plain PyTorch and gives wrong
+    numbers: the runtime refuses every such forward (no compiled site and no call of the paged op ran), rolls it
+    back, and the run ends holding no block. Both families."""
+    from paged_kv_compile.driver import paged_run
+    from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config
+    from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model
+
+    model = DreamZeroModel(CFG, seed=0)
+    rt = PagedKVRuntime(dreamzero_runtime_config(CFG, block_size=8, kernel="reference"))
+    rt.bind(model.blocks)
+    with pytest.raises(RequestError, match=r"no paged attention ran in this denoise forward of 's': the model read its "
+                                           r"cache stand-ins \(which hold no data\) outside a compiled graph"):
+        paged_run(model, rt, owner_id="s", num_chunks=1, num_inference_steps=1)
+    assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer and rt.owner_ids() == []
+
+    hcfg = HunyuanImage3Config()
+    hy = HunyuanImage3Model(hcfg, seed=0)
+    hrt = PagedKVRuntime(hunyuan_runtime_config(hcfg, max_prefix=12, block_size=4, kernel="reference"))
+    hrt.bind(hy.layers)
+    with pytest.raises(RequestError, match="no paged attention ran in this prefill forward of 'r'"):
+        paged_run(hy, hrt, owner_id="r", prompts=[torch.arange(9) % hcfg.vocab], prefix_capacity=12, num_steps=2)
+    assert hrt.scheduler.allocator.num_free == hrt.pool.blocks_per_layer and hrt.owner_ids() == []

@@ -465,8 +465,8 @@ def test_a_dreamzero_site_inside_a_hunyuan_forward_is_refused():
     cfg = TINY_DZ
     spec = HunyuanSpec((cfg.max_attention_size,) * 2, cfg.tokens_per_forward)
     rt.admit("h", spec)
-    with rt.forward("h", "prefill", prefix_capacity=cfg.max_attention_size,
-                    attention_mask=spec.padded_mask(cfg.max_attention_size)):
+    with rt.forward_plan(rt.plan("h", "prefill", prefix_capacity=cfg.max_attention_size,
+                                 attention_mask=spec.padded_mask(cfg.max_attention_size)), expect_attention=False):
         pass
     _refused_forward(rt, lambda: rt.forward("h", "step", prefix_capacity=cfg.max_attention_size),
                      lambda: model.blocks[0](*inputs), RequestError,

@@ -598,7 +598,7 @@ def test_abort_is_refused_while_another_forward_is_in_flight():
     model, rt = paged_dreamzero(sessions=2)
     for sid in ("A", "B"):
         rt.admit(sid, DreamZeroSpec.from_model_config(DZ_CFG), rows=2)
-    with rt.forward("A", "commit"):
+    with rt.forward_plan(rt.plan("A", "commit"), expect_attention=False):
         before = rt.state()
         for call in (lambda: rt.abort("B"), lambda: rt.abort("A"), lambda: rt.release("B"),
                      lambda: rt.reset("B")):

@@ -250,8 +250,15 @@ def resolve_kernel(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visi
     return kernel
 
 
+#: real calls of the paged ops so far (both ops, any kernel): the runtime refuses a forward in which none ran
+#: (`PagedKVRuntime._check_attention_ran`: the model then read its cache stand-ins uncompiled)
+CALLS = 0
+
+
 def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
          kv_scales):
+    global CALLS
+    CALLS += 1
     validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility,
                     kv_scales)
     name = resolve_kernel(kernel, query, kv_pool, visibility)
