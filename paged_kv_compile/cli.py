@@ -29,7 +29,7 @@ from .errors import PagedKVError
 #: seconds, but fixed per-call costs dominate its times).
 SIZES = ("mid", "tiny")
 #: The demo's inner compiler: Inductor, whose times are the ones that matter (its compile time is printed);
-#: warmup and dump default to aot_eager, which compiles in about a second on 2 CPU cores.
+#: warmup and dump default to aot_eager, which compiles in seconds on 2 CPU cores.
 DEMO_INNER_COMPILER = "inductor"
 DEFAULT_INNER_COMPILER = "aot_eager"
 
@@ -49,6 +49,17 @@ def model_choices() -> list[str]:
 
     return [f.name.replace("_", "-") for f in families.FAMILIES
             if f.demo("tiny", short=True, device="cpu") is not None]
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def _device(args) -> str:
@@ -84,7 +95,7 @@ def cmd_demo(args) -> int:
     start = time.perf_counter()
     setup = _build(args, size=args.size)
     say = None if args.quiet else (lambda message: print(f"paged-kv demo: {message}", file=sys.stderr, flush=True))
-    report = demo.run(setup, progress=say, progress_bar=not args.quiet)
+    report = demo.run(setup, threads=args.threads or None, progress=say, progress_bar=not args.quiet)
     report["wall_s"] = time.perf_counter() - start
     if args.json:
         print(json.dumps(report))
@@ -95,11 +106,10 @@ def cmd_demo(args) -> int:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
+    if n < 1024:
+        return f"{n:.0f} B"
+    n /= 1024
+    return f"{n:.1f} KiB" if n < 1024 else f"{n / 1024:.1f} MiB"
 
 
 def _verdict(diff: float | None, atol: float) -> str:
@@ -116,7 +126,9 @@ def _header_lines(r: dict) -> list[str]:
     sites, parity = r["attention_sites"], r["parity"]
     return [
         f"paged-kv demo: {r['description']}",
-        f"  device {r['device']}, kernel {r['kernel']} ({r['kernel_resolved']}), inner compiler {r['inner_compiler']}, "
+        f"  device {r['device']} ({r['threads']} torch thread{'s' if r['threads'] != 1 else ''}), kernel {r['kernel']} "
+        f"({r['kernel_resolved']}), "
+        f"inner compiler {r['inner_compiler']}, "
         f"CUDA graphs {'on' if r['cuda_graphs'] else 'off (no GPU)'}; attention sites in the {sites['graphs']} "
         f"compiled graph(s): {sites['rewritten']} rewritten, {sites['dense']} left dense (no KV cache), "
         f"{sites['refused']} refused; each compiled graph serves all {sites['layers']} layers",
@@ -152,11 +164,13 @@ def _cost_lines(r: dict) -> list[str]:
     kv, frames, compile_s, inner = r["kv_bytes"], r["compiled_frames"], r["compile_s"], r["inner_compiler"]
     free, total = r["scene"]["blocks_free_after"]
     lines = [
-        f"KV bytes for this scene: paged {_size(kv['paged_pool'])} reserved (the pool), {_size(kv['paged_held'])} held "
-        f"by the owners; dense {_size(kv['dense_held'])}",
+        f"KV bytes for this scene: paged {_size(kv['paged_held'])} held by the owners, in a pool of "
+        f"{_size(kv['paged_pool'])} (sized so that admission can reserve, for every owner, the most its loop holds "
+        f"before its reset); dense {_size(kv['dense_held'])}"
+        + (f": paged holds {kv['paged_held'] / kv['dense_held']:.2f}x dense" if kv["dense_held"] else ""),
         f"  dense: {r['dense_baseline']}",
         f"compiled frames: paged {frames['paged']} (one per bucket, for every owner, fill level and fork; "
-        f"{frames['paged_while_serving']} while serving), dense {frames['dense']} (one per cache length and row count "
+        f"{frames['paged_while_serving']} while serving), dense {frames['dense']} (one per cache shape and row count "
         "its forwards saw)",
         f"{inner} compile: paged {compile_s['paged']:.1f} s ({frames['paged']} frames at warm-up, the process's "
         f"first compiles: cold caches), dense {compile_s['dense']:.1f} s (the forwards that compiled its "
@@ -302,8 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "pool (bytes, frames, compile time, time per forward)")
     common(p, inner=DEMO_INNER_COMPILER)
     p.add_argument("--size", choices=SIZES, default="mid",
-                   help="model size (default mid: dim 512, 8 heads x 64, the size whose times mean something, minutes on a "
-                        "2-core CPU; tiny: dim 64, quicker, but per-call costs dominate its times)")
+                   help="model size (default mid: dim 512, 8 heads x 64, the size whose times mean something, minutes "
+                        "on a 2-core CPU; tiny: dim 64, quicker, but per-call costs dominate its times)")
+    p.add_argument("--threads", type=_count, default=1,
+                   help="torch intra-op threads, the same for both sides (default 1: on a shared machine more threads "
+                        "mostly wait for each other; 0: torch's default)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("warmup", help="compile (and on CUDA capture) every shape bucket; per-bucket times")
     common(p)

@@ -360,10 +360,25 @@ def _bucket_dict(b: Bucket) -> dict:
     return {"rows": b.rows, "tokens": b.tokens, "context": b.context}
 
 
-def run(setup: Setup, *, progress: Progress | None = None, progress_bar: bool = True) -> dict:
-    """The whole demo on a built `setup`: warm-up, the parity loops, the scene. Returns the report (plain data)."""
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[int]:
+    """torch's intra-op threads set to `threads` (None: left as they are) for the block, restored after."""
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)
+
+
+def run(setup: Setup, *, threads: int | None = None, progress: Progress | None = None,
+        progress_bar: bool = True) -> dict:
+    """The whole demo on a built `setup`: warm-up, the parity loops, the scene. Returns the report (plain data).
+
+    threads: torch's intra-op threads while it runs (None: as they are); both sides run with the same."""
     say = progress or (lambda message: None)
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    with _torch_threads(threads) as threads, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         say(f"compiling the paged blocks ({setup.inner_compiler}), one frame per bucket")
         captured, warm = _warm_up(setup, progress_bar)
         try:
@@ -378,6 +393,7 @@ def run(setup: Setup, *, progress: Progress | None = None, progress_bar: bool = 
         "model": setup.family.name.replace("_", "-"),
         "description": setup.demo.describe,
         "device": setup.device,
+        "threads": threads,
         "kernel": setup.kernel,
         "kernel_resolved": setup.kernel_resolved,
         "inner_compiler": setup.inner_compiler,

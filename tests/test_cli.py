@@ -69,10 +69,13 @@ def _tiny_bytes_per_frame_row() -> int:
 
 
 def test_demo_dreamzero_json(capsys):
-    code, out, err = _run(capsys, "demo", "--json", "--quiet", "--size", "tiny", "--inner-compiler", "aot_eager")
+    threads = torch.get_num_threads()
+    code, out, err = _run(capsys, "demo", "--json", "--quiet", "--size", "tiny", "--inner-compiler", "aot_eager",
+                          "--threads", "1")
     assert code == 0, err
     r = json.loads(out)
     assert r["model"] == "dreamzero" and r["inner_compiler"] == "aot_eager" and r["info"]["size"] == "tiny"
+    assert r["threads"] == 1 and torch.get_num_threads() == threads  # set for the demo, restored after
     assert r["parity"]["ok"] and r["parity"]["max_abs_diff"] <= 1e-5 and "10 chunks x 3" in r["parity"]["loops"]
     owners = {o["owner_id"]: o for o in r["scene"]["owners"]}
     assert list(owners) == ["new", "half", "full", "full/0", "full/1", "full/2", "full/3"]
@@ -146,6 +149,7 @@ def test_the_verdict_needs_the_loops_and_every_owner():
     [
         (["demo", "--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
         (["demo", "--size", "huge"], "argument --size: invalid choice: 'huge'"),
+        (["demo", "--threads", "-1"], "argument --threads: expected an integer >= 0, got '-1'"),
         (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["dump"], "the following arguments are required: --out"),
         (["demo", "--kernel", "flash_attn"], "flash"),

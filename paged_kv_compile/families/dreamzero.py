@@ -461,11 +461,9 @@ def _demo(size: str, *, short: bool, device: str, **runtime_options: Any) -> Dem
     chunks, steps = (2, 1) if short else (10, 3)
     k = DEMO_CANDIDATES
     rows = (2, 2 * k)
-    config = dreamzero_runtime_config(cfg, block_size=block_size, sessions=3, max_rows=max(rows),
+    # admission reserves what each owner holds up to its reset, a fork as much as its parent: room for 3 + k owners
+    config = dreamzero_runtime_config(cfg, block_size=block_size, sessions=3 + k, max_rows=max(rows),
                                       buckets=dreamzero_buckets(cfg, rows=rows), device=device, **runtime_options)
-    # room for each candidate's own chunk (2 CFG rows) beside the three sessions
-    extra = k * 2 * (cfg.chunk_tokens // block_size)
-    config = dataclasses.replace(config, blocks_per_layer=config.blocks_per_layer + extra)
     lanes, forks = _demo_scene(cfg, steps, k)
     return Demo(
         describe=(f"dreamzero ({size}: dim {cfg.dim}, {cfg.num_heads} heads x {cfg.head_dim}, {cfg.frame_seqlen} "
