@@ -507,14 +507,14 @@ def _demo_scene(cfg: DreamZeroConfig, steps: int, k: int) -> tuple[list[DemoLane
                                              context=context), forwards=chunks - 1 + chunks * steps)
 
     lanes = [
-        lane("new", 1, f"just admitted: first chunk denoised, no history yet", 21),
+        lane("new", 1, "just admitted: first chunk denoised, no history yet", 21),
         lane("half", half + 1, f"window filling: {half * F} of {W} frames", 22),
         lane("full", full + 1, f"window full and sliding: {full * F} frames committed, {evicted} evicted", 23),
     ]
     children = [f"full/{i}" for i in range(k)]
     forks = DemoForks(
         parent="full", children=children,
-        what=f"fork of full: commits its own candidate chunk, then denoises the next",
+        what="fork of full: commits its own candidate chunk, then denoises the next",
         steps=lambda model, hooks: _demo_candidate_steps(model, hooks, k=k, start_frame=full * F, steps=steps,
                                                          context=context),
         copy_dense_caches=lambda caches, n: [c.repeat(1, n, 1, 1, 1) for c in caches],
