@@ -153,10 +153,9 @@ def _scene_lines(r: dict) -> list[str]:
                      f"{_size(o['dense_bytes']):>9}  {_verdict(o['max_abs_diff'], atol)}")
     fork = scene["fork"]
     if fork:
-        rows = max(t["rows"] for t in r["time_per_forward"])
         lines.append(f"  forks: {fork['forks']} made in {fork['fork_ms']:.2f} ms, {fork['blocks_taken']} blocks taken, "
                      f"{fork['kv_bytes_copied']} KV bytes copied; they ran as the rows of ONE forward per step "
-                     f"({rows} rows)")
+                     f"({fork['rows']} rows)")
     return lines
 
 
@@ -165,11 +164,11 @@ def _cost_lines(r: dict) -> list[str]:
     free, total = r["scene"]["blocks_free_after"]
     lines = [
         f"KV bytes for this scene: paged {_size(kv['paged_held'])} held by the owners, in a pool of "
-        f"{_size(kv['paged_pool'])} (sized so that admission can reserve, for every owner, the most its loop holds "
-        f"before its reset); dense {_size(kv['dense_held'])}"
+        f"{_size(kv['paged_pool'])} (room for the most each owner may hold, which admission reserves); dense "
+        f"{_size(kv['dense_held'])}"
         + (f": paged holds {kv['paged_held'] / kv['dense_held']:.2f}x dense" if kv["dense_held"] else ""),
         f"  dense: {r['dense_baseline']}",
-        f"compiled frames: paged {frames['paged']} (one per bucket, for every owner, fill level and fork; "
+        f"compiled frames: paged {frames['paged']} (one per bucket, shared by every owner of the scene; "
         f"{frames['paged_while_serving']} while serving), dense {frames['dense']} (one per cache shape and row count "
         "its forwards saw)",
         f"{inner} compile: paged {compile_s['paged']:.1f} s ({frames['paged']} frames at warm-up, the process's "
@@ -179,6 +178,9 @@ def _cost_lines(r: dict) -> list[str]:
         "paged includes the runtime's planning and metadata):",
     ]
     for t in r["time_per_forward"]:
+        if not t["forwards"]:
+            lines.append(f"  rows {t['rows']}: none to compare (each of these forwards compiled a dense frame)")
+            continue
         lines.append(f"  rows {t['rows']}: dense {t['dense_ms']:.2f} ms, paged {t['paged_ms']:.2f} ms = "
                      f"{t['paged_over_dense']:.2f}x dense ({t['forwards']} forwards)")
     if r["info"].get("size") == "tiny":

@@ -226,8 +226,8 @@ class Scene:
         for child in forks.children:
             self.owners[child] = OwnerFigures(child, forks.what, runtime.owner(child).num_rows)
         self._lockstep(forks.children, (_BatchHooks(runtime, forks.children), *recorders), forks.steps, None)
-        return {"forks": n, "blocks_taken": taken, "kv_bytes_copied": copied,
-                "fork_ms": fork_s * 1e3}
+        return {"forks": n, "rows": sum(self.owners[c].rows for c in forks.children), "blocks_taken": taken,
+                "kv_bytes_copied": copied, "fork_ms": fork_s * 1e3}
 
     def _lockstep(self, owner_ids: list[str], hooks: tuple, make_steps: Callable[[torch.nn.Module, Any], Any],
                   limit: int | None) -> None:
@@ -347,7 +347,8 @@ def _times(forwards: list[TimedForward]) -> list[dict]:
     out = []
     for rows in sorted({f.rows for f in forwards}):
         timed = [f for f in forwards if f.rows == rows and not f.dense_compiled]
-        if not timed:
+        if not timed:  # every forward of this shape compiled a dense frame: nothing to compare
+            out.append({"rows": rows, "forwards": 0, "dense_ms": None, "paged_ms": None, "paged_over_dense": None})
             continue
         paged = statistics.median(f.paged_s for f in timed) * 1e3
         dense = statistics.median(f.dense_s for f in timed) * 1e3

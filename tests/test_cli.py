@@ -89,7 +89,8 @@ def test_demo_dreamzero_json(capsys):
     kv = r["kv_bytes"]
     assert kv["paged_held"] == (2 + 4 + 4 * 2) * 2 * f and kv["dense_held"] == (2 + 6 + 4 * 6) * 2 * f
     assert kv["paged_pool"] > kv["paged_held"]
-    assert r["scene"]["fork"]["blocks_taken"] == 0 and r["scene"]["fork"]["kv_bytes_copied"] == 0
+    fork = r["scene"]["fork"]
+    assert fork["blocks_taken"] == 0 and fork["kv_bytes_copied"] == 0 and fork["forks"] == 4 and fork["rows"] == 8
     free, total = r["scene"]["blocks_free_after"]
     assert free == total > 0
     # frames: paged one per bucket (rows 2 and 8), none while serving; dense one per cache length (0, 32, 64, 96
@@ -117,6 +118,8 @@ def test_demo_hunyuan_text(capsys):
     # one block paged, the whole padded capacity dense
     assert re.search(r" 4\.0 KiB +12\.0 KiB ", table["short"]), table["short"]
     assert "compiled frames: paged 4 (one per bucket" in out and "0 while serving" in out
+    # the 2-row request's two forwards each compiled a dense frame (prefill, step): no time to compare, said so
+    assert "  rows 2: none to compare (each of these forwards compiled a dense frame)" in out
     assert "aot_eager compile: paged" in out and "time per forward, both compiled with aot_eager" in out
     assert "dense: each request's prefix caches, preallocated" in out
     assert "fixed per-call costs dominate" in out, "a tiny run says its times are not the comparison"
