@@ -214,7 +214,7 @@ class Scene:
         pool_before, free_before = runtime.pool.tensor.clone(), allocator.num_free
         start = time.perf_counter()
         for child in forks.children:
-            runtime.fork(forks.parent, child)
+            runtime.fork(forks.parent, child, **forks.fork_args)
         fork_s = time.perf_counter() - start
         taken = free_before - allocator.num_free
         copied = 0 if torch.equal(runtime.pool.tensor, pool_before) else runtime.pool.nbytes

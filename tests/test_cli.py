@@ -92,7 +92,9 @@ def test_demo_dreamzero_json(capsys):
     fork = r["scene"]["fork"]
     assert fork["blocks_taken"] == 0 and fork["kv_bytes_copied"] == 0 and fork["forks"] == 4 and fork["rows"] == 8
     free, total = r["scene"]["blocks_free_after"]
-    assert free == total > 0
+    # every block back; the pool: 3 sessions x 2 rows x 12 blocks (6 frames of 2 blocks), 4 candidates with a one-
+    # commit budget x 2 rows x 4 blocks, and the 16 blocks of the forked session's history its forks keep
+    assert free == total == 3 * 2 * 12 + 4 * 2 * 4 + 16
     # frames: paged one per bucket (rows 2 and 8), none while serving; dense one per cache length (0, 32, 64, 96
     # tokens) at 2 rows and one for the 8 rows of the forks
     frames = r["compiled_frames"]

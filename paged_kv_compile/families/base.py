@@ -300,6 +300,7 @@ class DemoForks:
     what: str
     steps: Callable[[torch.nn.Module, Any], Any]
     copy_dense_caches: Callable[[Any, int], Any]
+    fork_args: dict = field(default_factory=dict)  # `runtime.fork`'s family arguments (e.g. a budget: commits=1)
 
 
 @dataclass

@@ -461,9 +461,15 @@ def _demo(size: str, *, short: bool, device: str, **runtime_options: Any) -> Dem
     chunks, steps = (2, 1) if short else (10, 3)
     k = DEMO_CANDIDATES
     rows = (2, 2 * k)
-    # admission reserves what each owner holds up to its reset, a fork as much as its parent: room for 3 + k owners
-    config = dreamzero_runtime_config(cfg, block_size=block_size, sessions=3 + k, max_rows=max(rows),
+    # Room for what admission counts (`Scheduler._committed`): what each session may hold up to its reset, each
+    # candidate (a fork with a budget of one commit, `fork_budget`) its chunk on both rows, and the forked session's
+    # history (sink + the window beside a chunk, both rows), which the forks keep even if the session drops it.
+    frame_blocks = cfg.frame_seqlen // block_size
+    config = dreamzero_runtime_config(cfg, block_size=block_size, sessions=3, max_rows=max(rows),
                                       buckets=dreamzero_buckets(cfg, rows=rows), device=device, **runtime_options)
+    F, W = cfg.num_frame_per_block, cfg.window_frames
+    extra = (k * 2 * F + 2 * (W - F)) * frame_blocks
+    config = dataclasses.replace(config, blocks_per_layer=config.blocks_per_layer + extra)
     lanes, forks = _demo_scene(cfg, steps, k)
     return Demo(
         describe=(f"dreamzero ({size}: dim {cfg.dim}, {cfg.num_heads} heads x {cfg.head_dim}, {cfg.frame_seqlen} "
@@ -518,6 +524,7 @@ def _demo_scene(cfg: DreamZeroConfig, steps: int, k: int) -> tuple[list[DemoLane
         steps=lambda model, hooks: _demo_candidate_steps(model, hooks, k=k, start_frame=full * F, steps=steps,
                                                          context=context),
         copy_dense_caches=lambda caches, n: [c.repeat(1, n, 1, 1, 1) for c in caches],
+        fork_args={"commits": 1},  # a candidate commits its chunk once, then is scored and dropped
     )
     return lanes, forks
 
