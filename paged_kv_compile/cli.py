@@ -1,38 +1,36 @@
-"""The `paged-kv` command: demo, warmup, dump, bench.
+"""The `paged-kv` command: demo, warmup, dump, bench. It parses arguments and prints; `demo.py` runs the scenes.
 
-    paged-kv demo [--model dreamzero|hunyuan-image3] [--size mid|tiny] [--kernel K] [--inner-compiler C] [--json]
+    paged-kv demo [--model M] [--size mid|tiny] [--kernel K] [--inner-compiler C] [--json]
     paged-kv warmup [--model M] [--kernel K] [--inner-compiler C] [--json]
     paged-kv dump --out DIR [--model M] [--inner-compiler C] [--json]
     paged-kv bench [NAME ...] [--list] [--dir DIR] [-- ARGS]
 
+The models are the registered families with a demo scene (`families.FAMILIES`, `Family.demo`), spelled with '-'.
 User mistakes (unknown model or option, a PagedKVError such as an unavailable kernel) print one line
-on stderr and exit with status 2; `demo` exits with 1 when the paged run does not match the dense one.
+on stderr and exit with status 2; `demo` exits with 1 when a paged run does not match the dense one.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 from . import __version__
 from .config import INNER_COMPILERS, KERNELS
 from .errors import PagedKVError
 
-MODELS = ("dreamzero", "hunyuan-image3")
-#: The demo's model sizes: "tiny" (dim 64: seconds, but fixed per-call costs dominate its times) and "mid"
-#: (dim 512, 8 heads x 64: the size whose times say something; benchmarks/forward_time.py uses it too).
+#: The demo's model sizes: "mid" (dim 512, 8 heads x 64: the size whose times say something) and "tiny" (dim 64:
+#: seconds, but fixed per-call costs dominate its times).
 SIZES = ("mid", "tiny")
-PARITY_ATOL = 1e-5
-#: aot_eager: the demo's compile takes ~1 s on 2 CPU cores; Inductor's takes 5-20 s (cold C++ cache).
+#: The demo's inner compiler: Inductor, whose times are the ones that matter (its compile time is printed);
+#: warmup and dump default to aot_eager, which compiles in seconds on 2 CPU cores.
+DEMO_INNER_COMPILER = "inductor"
 DEFAULT_INNER_COMPILER = "aot_eager"
 
 
@@ -45,23 +43,23 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-# ---- what the subcommands run -----------------------------------------------------------------------
+def model_choices() -> list[str]:
+    """The registered families that have a demo scene, as the command line spells them ('_' -> '-')."""
+    from . import families
+
+    return [f.name.replace("_", "-") for f in families.FAMILIES
+            if f.demo("tiny", short=True, device="cpu") is not None]
 
 
-@dataclass
-class Setup:
-    """A tiny reference model of one family, its runtime and the two ways to run its loop."""
-
-    family: str
-    describe: str
-    model: Any
-    runtime: Any
-    buckets: tuple
-    run_dense: Callable[..., Any]  # (hooks, model=None: a fresh dense model) -> result
-    run_paged: Callable[[Callable[[Any, str], Any]], Any]  # make_hooks(runtime, owner_id) -> result
-    compare: Callable[[Any, Any], float]
-    info: dict = field(default_factory=dict)
-    dense_model: Any = None  # the dense model the demo compiles and times (like the paged one)
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def _device(args) -> str:
@@ -81,347 +79,142 @@ def _device(args) -> str:
     return name
 
 
-def _setup(model_name: str, kernel: str, inner: str, device: str, *, short: bool = False, size: str = "tiny") -> Setup:
-    import dataclasses
+def _build(args, **kwargs):
+    from . import demo
 
-    import torch
-
-    from .driver import paged_run
-    from .families.dreamzero import dreamzero_buckets, dreamzero_runtime_config
-    from .families.hunyuan_image3 import hunyuan_buckets, hunyuan_runtime_config
-    from .runtime import PagedKVRuntime
-
-    if model_name == "dreamzero":
-        from .models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel, dreamzero_rollout
-
-        # chunks of 2 frames with a 2-frame sink: tiny: window 6 frames, slides after 3 commits, resets after 8
-        # chunks; mid: window 8 frames (64 tokens each), slides after 4 commits, resets after 8 chunks.
-        cfg = DreamZeroConfig(sink_size=2) if size == "tiny" else dataclasses.replace(DREAMZERO_MID, sink_size=2)
-        chunks, steps = (2, 1) if short else (10, 3)
-        buckets = dreamzero_buckets(cfg)
-        model = DreamZeroModel(cfg, seed=1).to(device)
-        runtime = PagedKVRuntime(dreamzero_runtime_config(
-            cfg, block_size=8 if size == "tiny" else 16, kernel=kernel, inner_compiler=inner, buckets=buckets,
-            device=device))
-
-        def run_dense(hooks, dense_model=None):
-            return dreamzero_rollout(dense_model or DreamZeroModel(cfg, seed=1).to(device), num_chunks=chunks,
-                                     num_inference_steps=steps, seed=3, hooks=hooks)
-
-        def run_paged(make_hooks):
-            return paged_run(model, runtime, owner_id="demo", make_hooks=make_hooks,
-                             num_chunks=chunks, num_inference_steps=steps, seed=3)
-
-        def compare(dense, paged):
-            return max((dense[k].float() - paged[k].float()).abs().max().item() for k in ("video", "actions"))
-
-        describe = (f"dreamzero ({size}: dim {cfg.dim}, {cfg.num_heads} heads x {cfg.head_dim}, {cfg.frame_seqlen} "
-                    f"tokens/frame): {cfg.num_layers} layers, {chunks} chunks x {steps} denoising steps, window "
-                    f"{cfg.window_frames} frames with a {cfg.sink_size}-frame sink, reset every "
-                    f"{cfg.chunks_per_window} chunks")
-        return Setup("dreamzero", describe, model, runtime, buckets, run_dense, run_paged, compare,
-                     info={"chunks": chunks, "steps": steps}, dense_model=DreamZeroModel(cfg, seed=1).to(device))
-
-    from .models.hunyuan_image3 import HUNYUAN_IMAGE3_MID, HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
-
-    cfg = HunyuanImage3Config() if size == "tiny" else HUNYUAN_IMAGE3_MID
-    capacity, steps = (12 if size == "tiny" else 256), (2 if short else 4)
-    gen = torch.Generator().manual_seed(0)
-    # a 1-row request, then a 2-row (CFG) one
-    lengths = [[9]] if short else ([[9], [11, 4]] if size == "tiny" else [[200], [200, 60]])
-    requests = [[torch.randint(0, cfg.vocab, (n,), generator=gen) for n in lens] for lens in lengths]
-    buckets = hunyuan_buckets(cfg, [capacity], rows=sorted({len(r) for r in requests}))
-    model = HunyuanImage3Model(cfg, seed=2).to(device)
-    runtime = PagedKVRuntime(hunyuan_runtime_config(
-        cfg, max_prefix=capacity, block_size=4 if size == "tiny" else 16, kernel=kernel, inner_compiler=inner,
-        buckets=buckets, device=device))
-
-    def run_dense(hooks, dense_model=None):
-        dense_model = dense_model or HunyuanImage3Model(cfg, seed=2).to(device)
-        return [hunyuan_generate(dense_model, p, prefix_capacity=capacity, num_steps=steps, seed=5, hooks=hooks)
-                for p in requests]
-
-    def run_paged(make_hooks):
-        return [paged_run(model, runtime, prompts=prompts, owner_id=f"request-{i}", make_hooks=make_hooks,
-                          num_steps=steps, seed=5)
-                for i, prompts in enumerate(requests)]
-
-    def compare(dense, paged):
-        return max((d.float() - p.float()).abs().max().item() for d, p in zip(dense, paged))
-
-    describe = (f"hunyuan-image3 ({size}: hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads x "
-                f"{cfg.head_dim}): {cfg.num_layers} layers, {len(requests)} request(s) of "
-                f"{[len(r) for r in requests]} row(s), prefix capacity {capacity}, {steps} steps")
-    return Setup("hunyuan_image3", describe, model, runtime, buckets, run_dense, run_paged, compare,
-                 info={"requests": len(requests), "steps": steps}, dense_model=HunyuanImage3Model(cfg, seed=2).to(device))
+    return demo.build(args.model, kernel=args.kernel, inner_compiler=args.inner_compiler, device=_device(args),
+                      **kwargs)
 
 
-def _check_kernel(setup: Setup, kernel: str) -> str:
-    """The concrete kernel `kernel` resolves to here; an unavailable one is a KernelUnavailableError."""
-    import torch
-
-    from .ops import resolve_kernel
-
-    pool = setup.runtime.pool.tensor
-    query = torch.zeros(1, 1, pool.shape[3], pool.shape[4], dtype=pool.dtype, device=pool.device)
-    return resolve_kernel(kernel, query, pool)
-
-
-def _compile_blocks(setup: Setup, kernel: str, inner: str) -> list:
-    from . import families
-
-    blocks = families.for_model(setup.model).blocks(setup.model)
-    setup.runtime.bind(blocks)
-    for block in blocks:
-        block.compile(backend="paged_kv", fullgraph=True, dynamic=False,
-                      options={"kernel": kernel, "inner_compiler": inner})
-    return blocks
-
-
-class _Timer:
-    """Wall time of each forward (the runtime's planning and commit included), device work waited for."""
-
-    def __init__(self, device: str) -> None:
-        self.times: list[float] = []
-        self.cuda = device.startswith("cuda")
-
-    def _sync(self) -> None:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-
-    @contextlib.contextmanager
-    def around(self, ctx):
-        self._sync()
-        start = time.perf_counter()
-        with ctx:
-            yield
-            self._sync()
-        self.times.append(time.perf_counter() - start)
-
-    def mean_ms(self) -> float:
-        return 1e3 * sum(self.times) / len(self.times) if self.times else 0.0
-
-
-def _dense_hooks(setup: Setup, timer: _Timer, kv: dict):
-    """Dense hooks that time each forward and measure the KV bytes the dense caches hold."""
-    from .models.hooks import DenseHooks
-
-    class Hooks(DenseHooks):
-        kind = None
-
-        def caches(self, model, batch, **geometry):
-            caches = super().caches(model, batch, **geometry)
-            if setup.family == "hunyuan_image3":  # preallocated: what it holds is what it reserves
-                held = sum(c.cached_key.nbytes + c.cached_value.nbytes for c in caches)
-                kv["peak"] = max(kv.get("peak", 0), held)
-            elif not getattr(model, "_demo_kv_hooked", False):  # DreamZero's caches grow: measure after commits
-                def record(module, _inputs, output):
-                    if hooks.kind == "commit":  # the caches the loop keeps after a commit
-                        kv.setdefault("per_layer", {})[id(module)] = output[1].nbytes
-                        kv["peak"] = max(kv.get("peak", 0), sum(kv["per_layer"].values()))
-
-                for block in model.blocks:
-                    block.register_forward_hook(record)
-                model._demo_kv_hooked = True
-            return caches
-
-        def forward(self, kind, **info):
-            self.kind = kind
-            return timer.around(super().forward(kind, **info))
-
-    hooks = Hooks()
-    return hooks
-
-
-def _timed_dense_hooks(timer: _Timer):
-    """Dense hooks that only time each forward (the compiled dense run)."""
-    from .models.hooks import DenseHooks
-
-    class Hooks(DenseHooks):
-        def forward(self, kind, **info):
-            return timer.around(super().forward(kind, **info))
-
-    return Hooks()
-
-
-def _compile_dense(setup: Setup, inner: str) -> None:
-    """Compile the dense model's blocks exactly as the paged ones are (regional, fullgraph, static shapes), with the
-    same inner compiler and no paging: the like-for-like baseline of the demo's times."""
-    from . import families
-
-    for block in families.for_model(setup.dense_model).blocks(setup.dense_model):
-        block.compile(backend=inner, fullgraph=True, dynamic=False)
-
-
-def _paged_hooks_factory(runtime, timer: _Timer, buckets_used: list):
-    from .driver import PagedHooks
-
-    class Hooks(PagedHooks):
-        @contextlib.contextmanager
-        def forward(self, kind, **info):
-            with timer.around(super().forward(kind, **info)):
-                if runtime.active is not None and runtime.active.bucket not in buckets_used:
-                    buckets_used.append(runtime.active.bucket)
-                yield
-
-    return Hooks
-
-
-def _bucket_dict(b) -> dict:
-    return {"rows": b.rows, "tokens": b.tokens, "context": b.context}
-
-
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
-# ---- subcommands --------------------------------------------------------------------------------------
+# ---- demo ---------------------------------------------------------------------------------------------
 
 
 def cmd_demo(args) -> int:
-    import torch
+    from . import demo
 
-    from .backend import record_passes
-    from .capture import format_bucket, warm_up
-
-    device = _device(args)
-    setup = _setup(args.model, args.kernel, args.inner_compiler, device, size=args.size)
-    resolved = _check_kernel(setup, args.kernel)
-
-    # The oracle: the dense model, eager (also measures the KV its caches hold).
-    kv = {}
-    dense = setup.run_dense(_dense_hooks(setup, _Timer(device), kv))
-    # The time baseline: the same dense model compiled like the paged one, warmed up (every cache length it sees
-    # compiled), then timed over the same loop.
-    torch._dynamo.reset()
-    graphs0 = _unique_graphs()
-    _compile_dense(setup, args.inner_compiler)
-    setup.run_dense(_timed_dense_hooks(_Timer(device)), setup.dense_model)
-    dense_frames = _unique_graphs() - graphs0
-    dense_timer = _Timer(device)
-    setup.run_dense(_timed_dense_hooks(dense_timer), setup.dense_model)
-    dense_compiles_timed = _unique_graphs() - graphs0 - dense_frames
-
-    torch._dynamo.reset()
-    graphs0 = _unique_graphs()
-    _compile_blocks(setup, args.kernel, args.inner_compiler)
-    with record_passes() as passes:
-        t0 = time.perf_counter()
-        captured = warm_up(setup.model, setup.runtime, progress=not args.quiet)
-        warmup_s = time.perf_counter() - t0
-        paged_timer, buckets_used = _Timer(device), []
-        graphs_warm = _unique_graphs()
-        with captured.serving():
-            paged = setup.run_paged(_paged_hooks_factory(setup.runtime, paged_timer, buckets_used))
-    captured.uninstall()
-    frames = _unique_graphs() - graphs0
-    serving_compiles = _unique_graphs() - graphs_warm
-    reports = [r for res in passes for r in res.reports]
-    status = {s: sum(r.status == s for r in reports) for s in ("rewritten", "dense", "refused")}
-
-    diff = setup.compare(dense, paged)
-    pool = setup.runtime.pool
-    history = pool.scratch_base * pool.block_size * pool.num_kv_heads * pool.head_dim * 2 * pool.tensor.element_size()
-    result = {
-        "model": args.model,
-        "description": setup.describe,
-        "device": device,
-        "kernel": args.kernel,
-        "kernel_resolved": resolved,
-        "inner_compiler": args.inner_compiler,
-        "parity": {"max_abs_diff": diff, "atol": PARITY_ATOL, "ok": diff <= PARITY_ATOL},
-        "buckets_used": [_bucket_dict(b) for b in buckets_used],
-        "buckets_configured": [_bucket_dict(b) for b in setup.buckets],
-        "compiled_frames": frames,
-        "recompiles_beyond_one_per_bucket": max(0, frames - len(setup.buckets)),
-        "compiles_while_serving": serving_compiles,
-        "attention_sites": {**status, "layers": setup.runtime.config.num_layers},
-        "kv_bytes": {
-            "paged_pool": pool.nbytes,
-            "paged_history_blocks": history,
-            "paged_scratch_and_pad": pool.nbytes - history,
-            "dense_caches_peak": kv.get("peak", 0),
-        },
-        "size": args.size,
-        "dense_compiled_frames": dense_frames,
-        "time_per_forward_ms": {
-            "dense_compiled": dense_timer.mean_ms(), "paged_compiled": paged_timer.mean_ms(),
-            "paged_over_dense": paged_timer.mean_ms() / dense_timer.mean_ms(), "forwards": len(paged_timer.times),
-            "dense_forwards": len(dense_timer.times), "compiles_while_timed": dense_compiles_timed + serving_compiles,
-            "measures": f"wall time per forward over the whole loop, both paths compiled regionally with "
-                        f"{args.inner_compiler} (fullgraph, static shapes) and warmed up; paged includes the runtime's "
-                        f"planning, metadata and commit; {'CUDA graphs' if captured.capture else 'no CUDA graphs'}",
-        },
-        "warmup_s": warmup_s,
-        "cuda_graphs": captured.capture,
-    }
+    start = time.perf_counter()
+    setup = _build(args, size=args.size)
+    say = None if args.quiet else (lambda message: print(f"paged-kv demo: {message}", file=sys.stderr, flush=True))
+    report = demo.run(setup, threads=args.threads or None, progress=say, progress_bar=not args.quiet)
+    report["wall_s"] = time.perf_counter() - start
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(report))
     else:
-        k = result["kv_bytes"]
-        t = result["time_per_forward_ms"]
-        sites = result["attention_sites"]
-        verdict = "ok" if result["parity"]["ok"] else "FAILED"
-        print(f"paged-kv demo: {setup.describe}")
-        print(f"  device {device}, kernel {args.kernel} ({resolved}), inner compiler {args.inner_compiler}, "
-              f"CUDA graphs {'on' if captured.capture else 'off (no GPU)'}")
-        print(f"  parity: max |dense - paged| = {diff:.3g} ({verdict}, tolerance {PARITY_ATOL:g})")
-        print(f"  shape buckets used: {len(buckets_used)} of {len(setup.buckets)} configured: "
-              + "; ".join(format_bucket(b) for b in buckets_used))
-        print(f"  compiled frames: {frames} (recompiles beyond one per bucket: "
-              f"{result['recompiles_beyond_one_per_bucket']}; while serving: {serving_compiles})")
-        print(f"  attention sites: {sites['rewritten']} rewritten, {sites['dense']} left dense (no KV cache), "
-              f"{sites['refused']} refused; each compiled frame serves all {sites['layers']} layers")
-        print(f"  KV bytes reserved: paged pool {k['paged_pool']:,} ({k['paged_history_blocks']:,} history blocks + "
-              f"{k['paged_scratch_and_pad']:,} scratch/pad); dense caches at peak {k['dense_caches_peak']:,}")
-        print(f"  parity oracle: the dense model run eagerly; dense compiled frames for the timing: {dense_frames} "
-              "(one per cache length)")
-        print(f"  time per forward, both compiled with {args.inner_compiler} and warmed up: dense {t['dense_compiled']:.2f} "
-              f"ms, paged {t['paged_compiled']:.2f} ms = {t['paged_over_dense']:.2f}x dense (mean over the "
-              f"{t['forwards']} forwards of the loop; paged includes planning + metadata; warm-up {warmup_s:.2f} s)")
-        if args.size == "tiny":
-            print("  (tiny model: fixed per-call costs dominate these times; --size mid compares at a size that means "
-                  "something)")
-    return 0 if result["parity"]["ok"] else 1
+        for line in _demo_lines(report):
+            print(line)
+    return 0 if demo.ok(report) else 1
+
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    n /= 1024
+    return f"{n:.1f} KiB" if n < 1024 else f"{n / 1024:.1f} MiB"
+
+
+def _verdict(diff: float | None, atol: float) -> str:
+    if diff is None:
+        return "-"
+    return f"{diff:.2g} ({'ok' if diff <= atol else 'FAILED'})"
+
+
+def _demo_lines(r: dict) -> list[str]:
+    return [*_header_lines(r), *_scene_lines(r), *_cost_lines(r)]
+
+
+def _header_lines(r: dict) -> list[str]:
+    sites, parity = r["attention_sites"], r["parity"]
+    return [
+        f"paged-kv demo: {r['description']}",
+        f"  device {r['device']} ({r['threads']} torch thread{'s' if r['threads'] != 1 else ''}), kernel {r['kernel']} "
+        f"({r['kernel_resolved']}), "
+        f"inner compiler {r['inner_compiler']}, "
+        f"CUDA graphs {'on' if r['cuda_graphs'] else 'off (no GPU)'}; attention sites in the {sites['graphs']} "
+        f"compiled graph(s): {sites['rewritten']} rewritten, {sites['dense']} left dense (no KV cache), "
+        f"{sites['refused']} refused; each compiled graph serves all {sites['layers']} layers",
+        f"parity oracle, dense eager vs paged: {parity['loops']}: max |dense - paged| = "
+        f"{_verdict(parity['max_abs_diff'], parity['atol'])}, tolerance {parity['atol']:g}",
+    ]
+
+
+def _scene_lines(r: dict) -> list[str]:
+    scene, atol = r["scene"], r["parity"]["atol"]
+    owners = scene["owners"]
+    width = max(len(o["what"]) for o in owners)
+    lines = [
+        f"where paging pays: {len(owners)} owners on one pool, every forward run paged and dense (eager: the oracle "
+        "of each owner's rows; compiled the same way: the baseline)",
+        f"  {'owner':<8} {'where it stands':<{width}}  {'forwards':>8}  {'KV held paged (of it shared)':>28}  "
+        f"{'dense':>9}  max |dense - paged|",
+    ]
+    for o in owners:
+        held = _size(o["paged_bytes"]) + (f" ({_size(o['paged_shared_bytes'])})" if o["paged_shared_bytes"] else "")
+        lines.append(f"  {o['owner_id']:<8} {o['what']:<{width}}  {o['forwards']:>8}  {held:>28}  "
+                     f"{_size(o['dense_bytes']):>9}  {_verdict(o['max_abs_diff'], atol)}")
+    fork = scene["fork"]
+    if fork:
+        lines.append(f"  forks: {fork['forks']} made in {fork['fork_ms']:.2f} ms, {fork['blocks_taken']} blocks taken, "
+                     f"{fork['kv_bytes_copied']} KV bytes copied; they ran as the rows of ONE forward per step "
+                     f"({fork['rows']} rows)")
+    return lines
+
+
+def _cost_lines(r: dict) -> list[str]:
+    kv, frames, compile_s, inner = r["kv_bytes"], r["compiled_frames"], r["compile_s"], r["inner_compiler"]
+    free, total = r["scene"]["blocks_free_after"]
+    lines = [
+        f"KV bytes for this scene: paged {_size(kv['paged_held'])} held by the owners, in a pool of "
+        f"{_size(kv['paged_pool'])} (room for the most each owner may hold, which admission reserves); dense "
+        f"{_size(kv['dense_held'])}"
+        + (f": paged holds {kv['paged_held'] / kv['dense_held']:.2f}x dense" if kv["dense_held"] else ""),
+        f"  dense: {r['dense_baseline']}",
+        f"compiled frames: paged {frames['paged']} (one per bucket, shared by every owner of the scene; "
+        f"{frames['paged_while_serving']} while serving), dense {frames['dense']} (one per cache shape and row count "
+        "its forwards saw)",
+        f"{inner} compile: paged {compile_s['paged']:.1f} s ({frames['paged']} frames at warm-up, the process's "
+        f"first compiles: cold caches), dense {compile_s['dense']:.1f} s (the forwards that compiled its "
+        f"{frames['dense']} frames, later)",
+        f"time per forward, both compiled with {inner} (median over the forwards in which neither side compiled; "
+        "paged includes the runtime's planning and metadata):",
+    ]
+    for t in r["time_per_forward"]:
+        if not t["forwards"]:
+            lines.append(f"  rows {t['rows']}: none to compare (each of these forwards compiled a dense frame)")
+            continue
+        lines.append(f"  rows {t['rows']}: dense {t['dense_ms']:.2f} ms, paged {t['paged_ms']:.2f} ms = "
+                     f"{t['paged_over_dense']:.2f}x dense ({t['forwards']} forwards)")
+    if r["info"].get("size") == "tiny":
+        lines.append("  (tiny model: fixed per-call costs dominate these times; --size mid compares at a size that "
+                     "means something)")
+    lines.append(f"blocks free again once every owner is released: {free} of {total}; demo wall time "
+                 f"{r['wall_s']:.0f} s")
+    return lines
+
+
+# ---- warmup, dump -------------------------------------------------------------------------------------
 
 
 def cmd_warmup(args) -> int:
-    import torch
-
     from .capture import warm_up
 
-    device = _device(args)
-    setup = _setup(args.model, args.kernel, args.inner_compiler, device)
-    _check_kernel(setup, args.kernel)
-    torch._dynamo.reset()
-    _compile_blocks(setup, args.kernel, args.inner_compiler)
+    setup = _build(args, size="tiny", twins=False)
     captured = warm_up(setup.model, setup.runtime, progress=not args.quiet, install=False)
     report = captured.report
     if args.json:
-        print(json.dumps({"model": args.model, "device": device, **report.as_dict()}))
+        print(json.dumps({"model": args.model, "device": setup.device, **report.as_dict()}))
     else:
         print(report.format())
     return 0
 
 
 def cmd_dump(args) -> int:
-    import torch
-
     from . import debug
+    from .driver import paged_run
 
-    device = _device(args)
-    setup = _setup(args.model, args.kernel, args.inner_compiler, device, short=True)
-    _check_kernel(setup, args.kernel)
-    torch._dynamo.reset()  # frames compiled earlier would not be compiled (nor dumped) again
-    _compile_blocks(setup, args.kernel, args.inner_compiler)
-    from .driver import PagedHooks
-
+    setup = _build(args, size="tiny", short=True, twins=False)
     with debug.dump(args.out) as session:
-        setup.run_paged(PagedHooks)
+        for i, loop in enumerate(setup.demo.loops):
+            paged_run(setup.model, setup.runtime, owner_id=f"loop-{i}", **loop)
     files = session.files()
     if args.json:
         print(json.dumps({"out": session.directory, "files": files, "graphs": len(session.graphs),
@@ -432,6 +225,9 @@ def cmd_dump(args) -> int:
         for name in files:
             print(f"  {name}")
     return 0
+
+
+# ---- bench --------------------------------------------------------------------------------------------
 
 
 def _bench_dir(arg: str | None) -> Path:
@@ -505,21 +301,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"paged-kv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def common(p, *, default_kernel="reference"):
-        p.add_argument("--model", choices=MODELS, default="dreamzero", help="reference model family (default dreamzero)")
+    models = model_choices()
+
+    def common(p, *, default_kernel="reference", inner=DEFAULT_INNER_COMPILER):
+        p.add_argument("--model", choices=models, default=models[0],
+                       help=f"reference model family (default {models[0]})")
         p.add_argument("--kernel", choices=KERNELS, default=default_kernel,
                        help=f"attention kernel (default {default_kernel}; auto picks the best available)")
-        p.add_argument("--inner-compiler", choices=INNER_COMPILERS, default=DEFAULT_INNER_COMPILER,
-                       help=f"compiler after the passes (default {DEFAULT_INNER_COMPILER}: fastest to compile on CPU)")
+        p.add_argument("--inner-compiler", choices=INNER_COMPILERS, default=inner,
+                       help=f"compiler after the passes (default {inner})")
         p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
         p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
         p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
-    p = sub.add_parser("demo", help="dense vs paged, both compiled the same way, side by side, on a small model")
-    common(p)
+    p = sub.add_parser("demo", help="dense vs paged on a small model: parity, then several owners and forks on one "
+                                    "pool (bytes, frames, compile time, time per forward)")
+    common(p, inner=DEMO_INNER_COMPILER)
     p.add_argument("--size", choices=SIZES, default="mid",
-                   help="model size (default mid: dim 512, 8 heads x 64, the size whose times mean something, minutes on a "
-                        "2-core CPU; tiny: dim 64, quicker, but per-call costs dominate its times)")
+                   help="model size (default mid: dim 512, 8 heads x 64, the size whose times mean something, minutes "
+                        "on a 2-core CPU; tiny: dim 64, quicker, but per-call costs dominate its times)")
+    p.add_argument("--threads", type=_count, default=1,
+                   help="torch intra-op threads, the same for both sides (default 1: on a shared machine more threads "
+                        "mostly wait for each other; 0: torch's default)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("warmup", help="compile (and on CUDA capture) every shape bucket; per-bucket times")
     common(p)

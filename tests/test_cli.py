@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_kv_compile import __version__, cli
+from paged_kv_compile import __version__, cli, demo, families
+from toy_decoder import TOY_DECODER
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,62 +40,121 @@ def test_version_and_help(capsys):
     assert code == 0 and "--inner-compiler" in out and "hunyuan-image3" in out
 
 
+def test_model_choices_come_from_the_registry(monkeypatch):
+    """The families with a demo scene, spelled with '-': a registered family appears once its `demo` has one."""
+    built_in = [f.name.replace("_", "-") for f in families.FAMILIES]
+    assert cli.model_choices() == built_in == ["dreamzero", "hunyuan-image3"]
+    toy = families.register(TOY_DECODER)
+    try:
+        assert "toy-decoder" not in cli.model_choices()  # Family.demo's default: no scene
+        monkeypatch.setattr(type(toy), "demo", lambda self, size, **kw: object())
+        assert cli.model_choices()[-1] == "toy-decoder"
+        assert cli.build_parser().parse_args(["demo", "--model", "toy-decoder"]).model == "toy-decoder"
+        assert cli.build_parser().parse_args(["demo"]).model == "dreamzero"  # the first registered: the default
+    finally:
+        families.unregister(toy.name)
+
+
+def test_demo_defaults_to_the_mid_size_model_with_inductor():
+    args = cli.build_parser().parse_args(["demo"])
+    assert args.size == "mid" and args.inner_compiler == "inductor"
+    demo = families.get(args.model).demo(args.size, short=True, device="cpu")
+    assert demo.make_model().cfg.dim == 512
+    assert cli.build_parser().parse_args(["warmup"]).inner_compiler == "aot_eager"
+
+
+def _tiny_bytes_per_frame_row() -> int:
+    """DreamZero tiny: one frame (16 tokens) of one row, K and V, 4 heads x 16, fp32, 4 layers."""
+    return 16 * 2 * 4 * 16 * 4 * 4
+
+
 def test_demo_dreamzero_json(capsys):
-    code, out, err = _run(capsys, "demo", "--json", "--quiet", "--size", "tiny")
+    threads = torch.get_num_threads()
+    code, out, err = _run(capsys, "demo", "--json", "--quiet", "--size", "tiny", "--inner-compiler", "aot_eager",
+                          "--threads", "1")
     assert code == 0, err
-    report = json.loads(out)
-    assert report["model"] == "dreamzero" and report["inner_compiler"] == "aot_eager" and report["size"] == "tiny"
-    assert report["parity"]["ok"] and report["parity"]["max_abs_diff"] <= 1e-5
-    assert report["buckets_used"] == [{"rows": 2, "tokens": 37, "context": 96}]
-    assert report["compiled_frames"] == 1 and report["recompiles_beyond_one_per_bucket"] == 0
-    assert report["compiles_while_serving"] == 0
-    assert report["attention_sites"]["rewritten"] == 1 and report["attention_sites"]["refused"] == 0
-    kv = report["kv_bytes"]
-    assert kv["paged_pool"] == kv["paged_history_blocks"] + kv["paged_scratch_and_pad"]
-    assert kv["dense_caches_peak"] == 4 * 2 * 2 * 96 * 4 * 16 * 4  # layers x K,V x rows x window x H x D x fp32
-    t = report["time_per_forward_ms"]
-    assert t["dense_compiled"] > 0 and t["paged_compiled"] > 0 and t["forwards"] == t["dense_forwards"] == 38
-    # like with like: the timed dense loop ran compiled (one frame per cache length: 0, 32, 64, 96 tokens), with the
-    # paged path's inner compiler, and neither path compiled while it was timed
-    assert report["dense_compiled_frames"] == 4 and t["compiles_while_timed"] == 0
-    assert "both paths compiled regionally with aot_eager" in t["measures"]
+    r = json.loads(out)
+    assert r["model"] == "dreamzero" and r["inner_compiler"] == "aot_eager" and r["info"]["size"] == "tiny"
+    assert r["threads"] == 1 and torch.get_num_threads() == threads  # set for the demo, restored after
+    assert r["parity"]["ok"] and r["parity"]["max_abs_diff"] <= 1e-5 and "10 chunks x 3" in r["parity"]["loops"]
+    owners = {o["owner_id"]: o for o in r["scene"]["owners"]}
+    assert list(owners) == ["new", "half", "full", "full/0", "full/1", "full/2", "full/3"]
+    assert r["scene"]["parity_ok"] and all(o["max_abs_diff"] <= 1e-5 for o in owners.values())
+    assert [o["forwards"] for o in owners.values()] == [3, 7, 19, 4, 4, 4, 4]  # a fork: 1 commit + 3 denoising steps
+    # bytes, measured: frames x rows x bytes per frame and row (window 6 frames, sink 2, chunk 2)
+    f = _tiny_bytes_per_frame_row()
+    assert [o["paged_bytes"] for o in owners.values()] == [0, 2 * 2 * f, 4 * 2 * f] + [4 * 2 * f] * 4
+    assert [o["paged_shared_bytes"] for o in owners.values()] == [0, 0, 2 * 2 * f] + [2 * 2 * f] * 4  # the sink
+    assert [o["dense_bytes"] for o in owners.values()] == [0, 2 * 2 * f, 6 * 2 * f] + [6 * 2 * f] * 4
+    kv = r["kv_bytes"]
+    assert kv["paged_held"] == (2 + 4 + 4 * 2) * 2 * f and kv["dense_held"] == (2 + 6 + 4 * 6) * 2 * f
+    assert kv["paged_pool"] > kv["paged_held"]
+    fork = r["scene"]["fork"]
+    assert fork["blocks_taken"] == 0 and fork["kv_bytes_copied"] == 0 and fork["forks"] == 4 and fork["rows"] == 8
+    free, total = r["scene"]["blocks_free_after"]
+    # every block back; the pool: 3 sessions x 2 rows x 12 blocks (6 frames of 2 blocks), 4 candidates with a one-
+    # commit budget x 2 rows x 4 blocks, and the 16 blocks of the forked session's history its forks keep
+    assert free == total == 3 * 2 * 12 + 4 * 2 * 4 + 16
+    # frames: paged one per bucket (rows 2 and 8), none while serving; dense one per cache length (0, 32, 64, 96
+    # tokens) at 2 rows and one for the 8 rows of the forks
+    frames = r["compiled_frames"]
+    assert frames["paged"] == len(frames["buckets"]) == 2 and frames["paged_while_serving"] == 0
+    assert frames["dense"] == 5
+    assert r["compile_s"]["paged"] > 0 and r["compile_s"]["dense"] > 0
+    times = {t["rows"]: t for t in r["time_per_forward"]}
+    assert set(times) == {2, 8} and all(t["dense_ms"] > 0 and t["paged_ms"] > 0 for t in times.values())
+    assert times[2]["forwards"] + times[8]["forwards"] == r["forwards"] - frames["dense"]  # compiling ones left out
+    assert r["attention_sites"]["rewritten"] == 2 and r["attention_sites"]["refused"] == 0
 
 
 def test_demo_hunyuan_text(capsys):
-    code, out, err = _run(capsys, "demo", "--model", "hunyuan-image3", "--quiet", "--size", "tiny")
+    code, out, err = _run(capsys, "demo", "--model", "hunyuan-image3", "--quiet", "--size", "tiny",
+                          "--inner-compiler", "aot_eager")
     assert code == 0, err
-    assert "parity: max |dense - paged|" in out and "(ok," in out
-    assert "shape buckets used: 4 of 4" in out
-    assert "compiled frames: 4 (recompiles beyond one per bucket: 0; while serving: 0)" in out
-    assert "KV bytes reserved: paged pool" in out
-    assert "time per forward, both compiled with aot_eager and warmed up: dense" in out and "x dense" in out
+    assert ("parity oracle, dense eager vs paged: 2 request(s) of [1, 2] row(s), 4 steps each: max |dense - paged| = "
+            in out)
+    table = {line.split()[0]: line for line in out.splitlines()
+             if line.startswith("  ") and line.split()[0] in ("short", "cfg", "long")}
+    assert "2 CFG rows, prompts 11 + 4 tokens: 2 of 4 steps done" in table["cfg"] and "(ok)" in table["cfg"]
+    # 1 KiB per token (2 KV heads x 16, K and V, fp32, 4 layers); capacity 12, blocks of 4: the 3-token prompt holds
+    # one block paged, the whole padded capacity dense
+    assert re.search(r" 4\.0 KiB +12\.0 KiB ", table["short"]), table["short"]
+    assert "compiled frames: paged 4 (one per bucket" in out and "0 while serving" in out
+    # the 2-row request's two forwards each compiled a dense frame (prefill, step): no time to compare, said so
+    assert "  rows 2: none to compare (each of these forwards compiled a dense frame)" in out
+    assert "aot_eager compile: paged" in out and "time per forward, both compiled with aot_eager" in out
+    assert "dense: each request's prefix caches, preallocated" in out
     assert "fixed per-call costs dominate" in out, "a tiny run says its times are not the comparison"
+    assert "blocks free again once every owner is released: 18 of 18" in out
 
 
-def test_demo_times_a_mid_size_model_by_default():
-    args = cli.build_parser().parse_args(["demo"])
-    assert args.size == "mid"
-    setup = cli._setup("dreamzero", "reference", "aot_eager", "cpu", short=True, size=args.size)
-    assert setup.model.cfg.dim == 512 and setup.dense_model.cfg == setup.model.cfg
-
-
-def test_demo_exits_nonzero_when_parity_fails(capsys, monkeypatch):
-    setup = cli._setup
+def test_demo_exits_nonzero_when_a_scene_owner_disagrees(capsys, monkeypatch):
+    build = demo.build
 
     def broken(*args, **kwargs):
-        s = setup(*args, **{**kwargs, "short": True})
-        s.compare = lambda dense, paged: 1.0
-        return s
+        setup = build(*args, **{**kwargs, "short": True})
+        setup.demo.lanes, setup.demo.forks = setup.demo.lanes[:1], None
+        setup.demo.compare_rows = lambda dense, paged: torch.ones(dense[0].shape[0])
+        return setup
 
-    monkeypatch.setattr(cli, "_setup", broken)
-    code, out, _ = _run(capsys, "demo", "--quiet", "--size", "tiny")
-    assert code == 1 and "FAILED" in out
+    monkeypatch.setattr(demo, "build", broken)
+    code, out, _ = _run(capsys, "demo", "--quiet", "--size", "tiny", "--inner-compiler", "aot_eager")
+    assert code == 1 and "1 (FAILED)" in out
+
+
+def test_the_verdict_needs_the_loops_and_every_owner():
+    report = {"parity": {"ok": True}, "scene": {"parity_ok": True}}
+    assert demo.ok(report)
+    assert not demo.ok({**report, "parity": {"ok": False}})
+    assert not demo.ok({**report, "scene": {"parity_ok": False}})
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["demo", "--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
+        (["demo", "--size", "huge"], "argument --size: invalid choice: 'huge'"),
+        (["demo", "--threads", "-1"], "argument --threads: expected an integer >= 0, got '-1'"),
         (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["dump"], "the following arguments are required: --out"),
         (["demo", "--kernel", "flash_attn"], "flash"),

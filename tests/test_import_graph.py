@@ -108,11 +108,11 @@ def _layer(prefix: str) -> dict[str, set[str]]:
 
 #: The generic layers: they reach a family only through the registry (`families`) and its base class.
 GENERIC = ("paged_kv_compile.runtime", "paged_kv_compile.scheduler", "paged_kv_compile.capture",
-           "paged_kv_compile.driver")
+           "paged_kv_compile.driver", "paged_kv_compile.cli", "paged_kv_compile.demo")
 FAMILY_MODULES = ("paged_kv_compile.families.", "paged_kv_compile.models.", "paged_kv_compile.adapters")
 #: what a generic layer may import from those: the registry's base class and the loops' hooks seam (no model)
 GENERIC_SEAMS = ("paged_kv_compile.families.base", "paged_kv_compile.models.hooks")
-GENERIC_FILES = ["runtime.py", "scheduler.py", "driver.py", *(f"capture/{p.name}" for p in
+GENERIC_FILES = ["runtime.py", "scheduler.py", "driver.py", "cli.py", "demo.py", *(f"capture/{p.name}" for p in
                                                             sorted((ROOT / "capture").glob("*.py")))]
 FAMILY_WORDS = ("dreamzero", "hunyuan")
 

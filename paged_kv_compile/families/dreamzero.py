@@ -20,9 +20,11 @@ import torch
 from ..config import Bucket, PagedKVConfig
 from ..errors import CapacityError, ConfigError, RequestError
 from ..layout import RowLayout
-from ..models.dreamzero import DreamZeroModel, dreamzero_steps
+from ..models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel, dreamzero_steps
+from ..models.hooks import Forward
 from ..passes.idioms import ROLLING_CACHE, WINDOW, RollingExpect, WindowExpect
-from .base import BlockSource, Family, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
+from .base import (BlockSource, Demo, DemoForks, DemoLane, Family, ForwardPlan, Owner, ceil_div, pool_config,
+                   reuse_layouts)
 
 NAME = "dreamzero"
 KINDS = ("commit", "denoise")
@@ -387,6 +389,12 @@ class DreamZeroFamily(Family):
         standin = runtime.region_standin(2, batch, cfg.cross_len, cfg.num_heads, cfg.head_dim)
         return [standin] * cfg.num_layers
 
+    # ---- the `paged-kv demo` scene --------------------------------------------------------------
+    def demo(self, size: str, *, short: bool, device: str, **runtime_options: Any) -> Demo:
+        """One session's rollout for parity, then three sessions at different fills and K forks of the full one
+        evaluating K candidate chunks in one forward (`_demo_scene`). `size`: "tiny" or "mid" (`DREAMZERO_MID`)."""
+        return _demo(size, short=short, device=device, **runtime_options)
+
 
 def _check_rolling_history(expect: RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
     """The session's visible history (per row of the forward) must be exactly what the frame's fill state reads."""
@@ -435,3 +443,141 @@ def dreamzero_block_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]
 
 
 DREAMZERO = DreamZeroFamily()
+
+
+# ---- the `paged-kv demo` scene (`DreamZeroFamily.demo`) ----------------------------------------------------
+
+#: forks of the full session in the demo: K candidate chunks evaluated as the rows of one forward
+DEMO_CANDIDATES = 4
+
+
+def _demo(size: str, *, short: bool, device: str, **runtime_options: Any) -> Demo:
+    if size not in ("tiny", "mid"):
+        raise ConfigError(f"unknown demo size {size!r}; use 'tiny' or 'mid'")
+    # chunks of 2 frames with a 2-frame sink: tiny: window 6 frames (16 tokens each); mid: window 8 frames (64
+    # tokens each); both reset the window after 8 chunks
+    cfg = DreamZeroConfig(sink_size=2) if size == "tiny" else dataclasses.replace(DREAMZERO_MID, sink_size=2)
+    block_size = 8 if size == "tiny" else 16
+    chunks, steps = (2, 1) if short else (10, 3)
+    k = DEMO_CANDIDATES
+    rows = (2, 2 * k)
+    # Room for what admission counts (`Scheduler._committed`): what each session may hold up to its reset, each
+    # candidate (a fork with a budget of one commit, `fork_budget`) its chunk on both rows, and the forked session's
+    # history (sink + the window beside a chunk, both rows), which the forks keep even if the session drops it.
+    frame_blocks = cfg.frame_seqlen // block_size
+    config = dreamzero_runtime_config(cfg, block_size=block_size, sessions=3, max_rows=max(rows),
+                                      buckets=dreamzero_buckets(cfg, rows=rows), device=device, **runtime_options)
+    F, W = cfg.num_frame_per_block, cfg.window_frames
+    extra = (k * 2 * F + 2 * (W - F)) * frame_blocks
+    config = dataclasses.replace(config, blocks_per_layer=config.blocks_per_layer + extra)
+    lanes, forks = _demo_scene(cfg, steps, k)
+    return Demo(
+        describe=(f"dreamzero ({size}: dim {cfg.dim}, {cfg.num_heads} heads x {cfg.head_dim}, {cfg.frame_seqlen} "
+                  f"tokens/frame): {cfg.num_layers} layers, window {cfg.window_frames} frames with a "
+                  f"{cfg.sink_size}-frame sink, chunks of {cfg.num_frame_per_block} frames, reset every "
+                  f"{cfg.chunks_per_window} chunks"),
+        make_model=lambda: DreamZeroModel(cfg, seed=1).to(device),
+        runtime_config=config,
+        loops=[dict(num_chunks=chunks, num_inference_steps=steps, seed=3)],
+        loops_describe=f"one session's rollout, {chunks} chunks x {steps} denoising steps"
+                       + (f" (its window reset after chunk {cfg.chunks_per_window - 1})"
+                          if chunks > cfg.chunks_per_window else ""),
+        dense_baseline="each session's own caches at their current length (a dense cache grows by concatenation up "
+                       "to the window), and per fork a copy of its parent's caches (a dense fork clones them)",
+        compare=lambda dense, paged: max((dense[key].float() - paged[key].float()).abs().max().item()
+                                         for key in ("video", "actions")),
+        compare_rows=_demo_compare_rows,
+        caches_after=lambda caches, kind, result: result[2] if kind == "commit" else caches,
+        dense_kv_bytes=_demo_dense_kv_bytes,
+        lanes=lanes,
+        forks=forks,
+        info={"size": size, "chunks": chunks, "steps": steps, "candidates": k},
+    )
+
+
+def _demo_scene(cfg: DreamZeroConfig, steps: int, k: int) -> tuple[list[DemoLane], DemoForks]:
+    """Three sessions of one prompt stopped at different fills, and `k` forks of the full one.
+
+    A session that has run `c` chunks has committed `c - 1` (a chunk is committed at the start of the next) and
+    stands after the denoising steps of chunk `c - 1`, not yet committed: a chunk boundary, where it may fork."""
+    F, W = cfg.num_frame_per_block, cfg.window_frames
+    half, full = max(1, W // (2 * F)), W // F + 1  # commits: about half the window; more than the window holds
+    if (full + 2) * F > cfg.window_reset_frames:
+        raise ConfigError(f"the demo's full session and its candidates need {(full + 2) * F} frames before the "
+                          f"window resets at frame {cfg.window_reset_frames}")
+    context = torch.randn(1, cfg.text_len, cfg.text_dim, generator=torch.Generator().manual_seed(11))
+    evicted = full * F - (W - F)  # frames committed beyond what sink + recent hold beside the next chunk
+
+    def lane(owner_id: str, chunks: int, what: str, seed: int) -> DemoLane:
+        return DemoLane(owner_id, what, dict(num_chunks=chunks + 1, num_inference_steps=steps, seed=seed,
+                                             context=context), forwards=chunks - 1 + chunks * steps)
+
+    lanes = [
+        lane("new", 1, "just admitted: first chunk denoised, no history yet", 21),
+        lane("half", half + 1, f"window filling: {half * F} of {W} frames", 22),
+        lane("full", full + 1, f"window full and sliding: {full * F} frames committed, {evicted} evicted", 23),
+    ]
+    children = [f"full/{i}" for i in range(k)]
+    forks = DemoForks(
+        parent="full", children=children,
+        what="fork of full: commits its own candidate chunk, then denoises the next",
+        steps=lambda model, hooks: _demo_candidate_steps(model, hooks, k=k, start_frame=full * F, steps=steps,
+                                                         context=context),
+        copy_dense_caches=lambda caches, n: [c.repeat(1, n, 1, 1, 1) for c in caches],
+        fork_args={"commits": 1},  # a candidate commits its chunk once, then is scored and dropped
+    )
+    return lanes, forks
+
+
+def _demo_candidate_steps(model: DreamZeroModel, hooks: Any, *, k: int, start_frame: int, steps: int,
+                          context: torch.Tensor, guidance_scale: float = 5.0, seed: int = 31):
+    """K candidate futures of one session as the rows of ONE forward per step (rows 2i, 2i + 1: candidate i's
+    conditional and unconditional branches): each commits its own version of the chunk at `start_frame` (its own
+    actions), then denoises the next chunk from the same noise over its own history. Returns per candidate the
+    predicted next chunk (`{"video": (k, L, C), "actions": (k, A, action_dim)}`)."""
+    cfg = model.cfg
+    p = next(model.parameters())
+    rows = 2 * k
+    gen = torch.Generator().manual_seed(seed)
+
+    def noise(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device=p.device, dtype=p.dtype)
+
+    cross = [c.repeat(1, k, 1, 1, 1) for c in model.prepare_cross_kv(torch.cat([context, torch.zeros_like(context)]).to(
+        device=p.device, dtype=p.dtype))]
+    caches = hooks.caches(model, rows)
+    chunk = noise(k, cfg.chunk_tokens, cfg.in_channels).repeat_interleave(2, 0)
+    actions = noise(k, cfg.action_register_length, cfg.action_dim).repeat_interleave(2, 0)
+    _, _, caches = yield Forward(
+        "commit", 0,
+        lambda: model(chunk, actions, torch.zeros(rows, device=p.device), start_frame, caches, cross,
+                      update_kv_cache=True),
+        dict(start_frame=start_frame, num_frames=cfg.num_frame_per_block),
+    )
+    x = noise(1, cfg.chunk_tokens, cfg.in_channels).expand(k, -1, -1)
+    a = noise(1, cfg.action_register_length, cfg.action_dim).expand(k, -1, -1)
+    sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
+    nxt = start_frame + cfg.num_frame_per_block
+    for i in range(steps):
+        t = torch.full((rows,), sigmas[i] * 1000.0, device=p.device)
+        v_x, v_a, _ = yield Forward(
+            "denoise", 1,
+            lambda: model(x.repeat_interleave(2, 0), a.repeat_interleave(2, 0), t, nxt, caches, cross,
+                          update_kv_cache=False),
+            dict(start_frame=nxt, num_frames=cfg.num_frame_per_block, step=i),
+        )
+        v_x, v_a = v_x.unflatten(0, (k, 2)), v_a.unflatten(0, (k, 2))
+        x = x + (sigmas[i + 1] - sigmas[i]) * (v_x[:, 1] + guidance_scale * (v_x[:, 0] - v_x[:, 1]))
+        a = a + (sigmas[i + 1] - sigmas[i]) * (v_a[:, 1] + guidance_scale * (v_a[:, 0] - v_a[:, 1]))
+    return {"video": x, "actions": a}
+
+
+def _demo_compare_rows(dense: tuple, paged: tuple) -> torch.Tensor:
+    """Per row, max |dense - paged| of one forward's video and action outputs (its caches are not compared)."""
+    return torch.stack([(d.float() - q.float()).abs().flatten(1).amax(1) for d, q in zip(dense[:2], paged[:2])]).amax(0)
+
+
+def _demo_dense_kv_bytes(caches: list[torch.Tensor]) -> list[int]:
+    """Per row, the bytes of the dense caches `(2, B, L, H, D)` of every layer (they hold what they reserve)."""
+    rows = caches[0].shape[1]
+    return [sum(c.nbytes // rows for c in caches)] * rows

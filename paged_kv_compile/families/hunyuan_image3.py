@@ -18,9 +18,10 @@ import torch
 from ..config import Bucket, PagedKVConfig
 from ..errors import ConfigError, RequestError
 from ..layout import MaskLayout, RowLayout, layout_from_prefill_mask, mask_disagreement, mask_rows
-from ..models.hunyuan_image3 import HunyuanImage3Model, HunyuanKVCache, hunyuan_steps
+from ..models.hunyuan_image3 import (HUNYUAN_IMAGE3_MID, HunyuanImage3Config, HunyuanImage3Model, HunyuanKVCache,
+                                     hunyuan_steps)
 from ..passes.idioms import PREFILL_STORE, PREFIX_STEP, STATIC_CACHE, PrefixExpect
-from .base import BlockSource, Family, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
+from .base import BlockSource, Demo, DemoLane, Family, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
 
 NAME = "hunyuan_image3"
 KINDS = ("prefill", "step")
@@ -266,6 +267,12 @@ class HunyuanImage3Family(Family):
         standin = runtime.standin(batch, prefix_capacity, heads, cfg.head_dim, writable=True)
         return [HunyuanKVCache(standin, standin) for _ in range(cfg.num_layers)]
 
+    # ---- the `paged-kv demo` scene --------------------------------------------------------------
+    def demo(self, size: str, *, short: bool, device: str, **runtime_options: Any) -> Demo:
+        """Requests for parity, then three requests of different prompt lengths at different steps on one pool
+        (`_demo`). `size`: "tiny" or "mid" (`HUNYUAN_IMAGE3_MID`)."""
+        return _demo(size, short=short, device=device, **runtime_options)
+
 
 def _check_against_spec(r: int, ml: MaskLayout, p: int, spec: HunyuanSpec) -> None:
     """The mask's target tokens must see what the spec says (else prefix_lens/target_len/spans are wrong)."""
@@ -347,3 +354,57 @@ def hunyuan_layer_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]:
 
 
 HUNYUAN_IMAGE3 = HunyuanImage3Family()
+
+
+# ---- the `paged-kv demo` scene (`HunyuanImage3Family.demo`) -----------------------------------------------
+
+
+def _demo(size: str, *, short: bool, device: str, **runtime_options: Any) -> Demo:
+    if size not in ("tiny", "mid"):
+        raise ConfigError(f"unknown demo size {size!r}; use 'tiny' or 'mid'")
+    cfg = HunyuanImage3Config() if size == "tiny" else HUNYUAN_IMAGE3_MID
+    tiny = size == "tiny"
+    capacity, block_size, steps = (12, 4, 4) if tiny else (256, 16, 4)
+    steps = 2 if short else steps
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(*lengths: int) -> list[torch.Tensor]:
+        return [torch.randint(0, cfg.vocab, (n,), generator=gen) for n in lengths]
+
+    # parity: a 1-row request, then a 2-row (CFG) one
+    loop_lengths = [[9]] if short else ([[9], [11, 4]] if tiny else [[200], [200, 60]])
+    loops = [dict(prompts=prompts(*lens), prefix_capacity=capacity, num_steps=steps, seed=5) for lens in loop_lengths]
+    # the scene: three requests of different prompt lengths, stopped at different steps
+    scene = [("short", (3,) if tiny else (40,), 1), ("cfg", (11, 4) if tiny else (200, 60), 2),
+             ("long", (12,) if tiny else (250,), steps)]
+    lanes = [DemoLane(name, f"{'2 CFG rows, prompts' if len(lens) == 2 else 'prompt'} "
+                            f"{' + '.join(map(str, lens))} tokens: {done} of {steps} steps done",
+                      dict(prompts=prompts(*lens), prefix_capacity=capacity, num_steps=steps, seed=6), done)
+             for name, lens, done in scene]
+    T = cfg.target_len
+    return Demo(
+        describe=(f"hunyuan-image3 ({size}: hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads x "
+                  f"{cfg.head_dim}): {cfg.num_layers} layers, prompt prefixes padded to {capacity} tokens, "
+                  f"{T} target tokens"),
+        make_model=lambda: HunyuanImage3Model(cfg, seed=2).to(device),
+        runtime_config=hunyuan_runtime_config(cfg, max_prefix=capacity, block_size=block_size, requests=3,
+                                              buckets=hunyuan_buckets(cfg, [capacity]), device=device,
+                                              **runtime_options),
+        loops=loops,
+        loops_describe=f"{len(loops)} request(s) of {[len(lens) for lens in loop_lengths]} row(s), {steps} steps each",
+        dense_baseline=f"each request's prefix caches, preallocated for every row at the padded capacity ({capacity} "
+                       "tokens) its compiled shape needs",
+        compare=lambda dense, paged: (dense.float() - paged.float()).abs().max().item(),
+        # what the loop reads of a forward: the target span's hidden states
+        compare_rows=lambda dense, paged: (dense[:, -T:].float() - paged[:, -T:].float()).abs().flatten(1).amax(1),
+        caches_after=lambda caches, kind, result: caches,  # preallocated, written in place
+        dense_kv_bytes=_demo_dense_kv_bytes,
+        lanes=lanes,
+        info={"size": size, "requests": len(loops), "steps": steps},
+    )
+
+
+def _demo_dense_kv_bytes(caches: list[HunyuanKVCache]) -> list[int]:
+    """Per row, the bytes of the preallocated dense prefix caches of every layer (reserved at the capacity)."""
+    rows = caches[0].cached_key.shape[0]
+    return [sum((c.cached_key.nbytes + c.cached_value.nbytes) // rows for c in caches)] * rows
