@@ -76,7 +76,7 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 def inner_compile(name: str, gm: fx.GraphModule, example_inputs: list) -> Callable:
     """Compile `gm` with the inner compiler `name` ("inductor", "aot_eager" or "eager"), as this backend hands a
-    graph on; also what a dense model compiled for comparison gets (the benchmarks, `debug.CountingBackend`)."""
+    graph on; also what a dense model compiled for comparison gets (the benchmarks, `counting.CountingBackend`)."""
     if name == "eager":
         return gm.forward
     if name == "aot_eager":
