@@ -1,10 +1,11 @@
-"""Shared pieces of the CPU benchmarks: configs, drivers of both model families, counting backends,
-allocation tracking, statistics, machine description and tables.
+"""Shared pieces of the CPU benchmarks, whatever the model family: compiled setups, a driver of one
+session/request of a model's own loop, allocation tracking, statistics, machine description and tables.
 
-The drivers run the reference models one forward at a time, the way `dreamzero_rollout` and
-`hunyuan_generate` do, so that paged and dense forwards can be interleaved and timed one by one. The
-same driver code serves both paths: only the hooks differ (`DenseHooks`: real caches; `PagedHooks`:
-stand-ins and a runtime plan per forward).
+`OwnerRun` runs a model's loop (`Family.steps`, the loop `driver.paged_run` runs) one forward at a time, so that
+paged and dense forwards can be interleaved and timed one by one. The same driver serves both paths: only the
+hooks differ (`DenseHooks`: real caches; `PagedHooks`: stand-ins and a runtime plan per forward). This module
+names no family (tests/test_import_graph.py checks it): the families' configs, setups and loop arguments are in
+`_models.py`.
 """
 
 from __future__ import annotations
@@ -15,46 +16,23 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-
 import torch
 
-from paged_kv_compile.backend import paged_kv_backend
+from paged_kv_compile import families
+from paged_kv_compile.config import PagedKVConfig
+from paged_kv_compile.counting import CountingBackend
 from paged_kv_compile.driver import PagedHooks
-from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
-from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec
-from paged_kv_compile.models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel, dreamzero_steps
-from paged_kv_compile.models.hooks import DenseHooks
-from paged_kv_compile.models.hunyuan_image3 import (
-    HUNYUAN_IMAGE3_MID,
-    HunyuanImage3Config,
-    HunyuanImage3Model,
-    hunyuan_steps,
-)
+from paged_kv_compile.models.hooks import DenseHooks, Loop
 from paged_kv_compile.ops import reference as _reference_module
 from paged_kv_compile.ops import write_attend as _write_attend_module
 from paged_kv_compile.runtime import PagedKVRuntime
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
-
-# ---- configs ---------------------------------------------------------------------------------------
-
-#: Tiny DreamZero: 4 layers, dim 64 (4 heads x 16), 16 tokens per frame, chunk 2 frames, window 8 frames.
-DZ_TINY = DreamZeroConfig(local_attn_size=8, window_reset_frames=16)
-#: Mid-size DreamZero: dim 512 (8 heads x 64), 64 tokens per frame, chunk 2 frames, window 8 frames,
-#: 33 action/state registers as in the real model.
-DZ_MID = DREAMZERO_MID
-#: Tiny HunyuanImage-3: 4 layers, hidden 64, 4/2 heads x 16, image 4x4 (target 18 tokens).
-HY_TINY = HunyuanImage3Config()
-#: Mid-size HunyuanImage-3: hidden 512, 8/2 heads x 64, image 16x16 (target 258 tokens).
-HY_MID = HUNYUAN_IMAGE3_MID
-
-#: Hunyuan request layouts used with each config: (prompt lengths of the CFG rows, padded prefix capacity).
-HY_PROMPTS = {"tiny": ((20, 7), 32), "mid": ((200, 60), 256)}
 
 # ---- process settings ------------------------------------------------------------------------------
 
@@ -117,45 +95,6 @@ def machine_info(**extra: Any) -> dict:
 # ---- compiling -------------------------------------------------------------------------------------
 
 
-def inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    """The plain inner compiler, exactly as the paged_kv backend hands a graph on (backend.py)."""
-    if name == "eager":
-        return gm.forward
-    if name == "aot_eager":
-        from torch._dynamo.backends.registry import lookup_backend
-
-        return lookup_backend("aot_eager")(gm, example_inputs)
-    if name == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs)
-    raise ValueError(f"unknown inner compiler {name!r}; use inductor, aot_eager or eager")
-
-
-@dataclass
-class CountingBackend:
-    """A torch.compile backend that counts compiled frames and the seconds spent inside it.
-
-    kind "paged": the `paged_kv` backend with `inner` as its inner compiler; kind "dense": `inner` alone.
-    """
-
-    kind: str
-    inner: str
-    options: dict = field(default_factory=dict)
-    frames: int = 0
-    seconds: float = 0.0
-
-    def __call__(self, gm, example_inputs):
-        t0 = time.perf_counter()
-        try:
-            if self.kind == "paged":
-                return paged_kv_backend(gm, example_inputs, options={"inner_compiler": self.inner, **self.options})
-            return inner_compile(self.inner, gm, example_inputs)
-        finally:
-            self.frames += 1
-            self.seconds += time.perf_counter() - t0
-
-
 def compile_regional(blocks: Iterable[torch.nn.Module], backend: Callable) -> None:
     """Regional compilation, the usual way DiTs are compiled: every block on its own, fullgraph, static shapes."""
     for block in blocks:
@@ -169,7 +108,7 @@ def warm_inductor() -> None:
     torch._dynamo.reset()
 
 
-# ---- model setups and drivers ----------------------------------------------------------------------
+# ---- setups and the loop driver --------------------------------------------------------------------
 
 
 @dataclass
@@ -186,223 +125,54 @@ class Setup:
             self.runtime.close()
 
 
-def dreamzero_setup(cfg: DreamZeroConfig, path: str, inner: str, *, seed: int = 1, sessions: int = 1,
-                    blocks_per_layer: int | None = None, kernel: str = "reference") -> Setup:
-    model = DreamZeroModel(cfg, seed=seed).eval()
+def make_setup(model: torch.nn.Module, path: str, inner: str, runtime_config: Callable[[], PagedKVConfig]) -> Setup:
+    """`model`'s blocks (its family's `Family.blocks`) compiled regionally with a counting backend: the paged_kv
+    backend on a runtime of `runtime_config()` bound to them ("paged"), the inner compiler `inner` alone
+    ("dense"), or not at all ("eager")."""
+    if path not in ("dense", "paged", "eager"):
+        raise ValueError(f"unknown path {path!r}; use dense, paged or eager")
+    blocks = families.for_model(model).blocks(model)
     runtime = backend = None
     if path == "paged":
-        overrides = {"blocks_per_layer": blocks_per_layer} if blocks_per_layer is not None else {}
-        runtime = PagedKVRuntime(dreamzero_runtime_config(cfg, sessions=sessions, kernel=kernel,
-                                                          inner_compiler=inner, **overrides))
-        runtime.bind(model.blocks)
+        runtime = PagedKVRuntime(runtime_config())
+        runtime.bind(blocks)
     if path != "eager":
-        backend = CountingBackend(path, inner)
-        compile_regional(model.blocks, backend)
+        backend = CountingBackend({"inner_compiler": inner}, dense=path == "dense")
+        compile_regional(blocks, backend)
     return Setup(path, model, runtime, backend)
 
 
-def hunyuan_setup(cfg: HunyuanImage3Config, path: str, inner: str, *, max_prefix: int, seed: int = 2,
-                  requests: int = 1, blocks_per_layer: int | None = None, kernel: str = "reference",
-                  block_size: int = 16) -> Setup:
-    model = HunyuanImage3Model(cfg, seed=seed).eval()
-    runtime = backend = None
-    if path == "paged":
-        overrides = {"blocks_per_layer": blocks_per_layer} if blocks_per_layer is not None else {}
-        runtime = PagedKVRuntime(hunyuan_runtime_config(cfg, max_prefix=max_prefix, requests=requests,
-                                                        block_size=block_size, kernel=kernel,
-                                                        inner_compiler=inner, **overrides))
-        runtime.bind(model.layers)
-    if path != "eager":
-        backend = CountingBackend(path, inner)
-        compile_regional(model.layers, backend)
-    return Setup(path, model, runtime, backend)
+class OwnerRun:
+    """One session/request of a model's own loop (`Family.steps`) on a `Setup`, driven forward by forward through
+    `self.loop` (`models.hooks.Loop`: run one forward, one loop index, while a condition holds, or repeat the
+    pending one).
 
-
-class _CacheRecorder:
-    """Hooks for a library loop that hand out the driver's hooks' caches and keep them on the driver."""
-
-    def __init__(self, driver) -> None:
-        self.driver = driver
-
-    def caches(self, model, batch, **geometry):
-        self.driver.caches = self.driver.hooks.caches(model, batch, **geometry)
-        return self.driver.caches
-
-    def write_once_kv(self, model, cross_kvs):
-        return self.driver.hooks.write_once_kv(model, cross_kvs)
-
-    def reset_history(self) -> None:
-        self.driver.hooks.reset_history()
-
-
-class LoopDriver:
-    """Runs a library step generator (`models/hooks.py`) a few forwards at a time, inside `hooks.forward`."""
-
-    def __init__(self, steps, hooks, on_result: Callable[[Any, Any], None] | None = None) -> None:
-        self.steps, self.hooks, self.on_result = steps, hooks, on_result
-        self.pending = next(steps)
-        self.done = False
-
-    def pending_index(self) -> int | None:
-        return None if self.done else self.pending.index
-
-    def run_one(self):
-        """Run the next forward; returns its result."""
-        forward = self.pending
-        with self.hooks.forward(forward.kind, **forward.info):
-            result = forward.call()
-        if self.on_result is not None:
-            self.on_result(forward, result)
-        try:
-            self.pending = self.steps.send(result)
-        except StopIteration:
-            self.done = True
-        return result
-
-    def run_while(self, condition, observe: Callable[[], None] | None = None) -> None:
-        """Run forwards while `condition(next forward)` holds; `observe()` after each."""
-        while not self.done and condition(self.pending):
-            self.run_one()
-            if observe:
-                observe()
-
-
-class DreamZeroSession:
-    """One DreamZero session driven forward by forward (the loop of `dreamzero_rollout`).
-
-    Dense: real caches that grow by concatenation. Paged: stand-ins and the runtime's plan per forward.
-    Two CFG rows (conditional, empty text), as in the rollout.
+    Paged: admitted on the setup's runtime first, as `driver.paged_run` does (`Family.spec_for`, then
+    `Family.loop_arguments`), with `PagedHooks` unless `hooks` are given; `close` releases it. Dense and eager:
+    `DenseHooks` unless given. `loop`: the loop's keyword arguments (`_models.py` makes them per family).
     """
 
-    def __init__(self, setup: Setup, session_id: str = "session", seed: int = 0,
-                 hooks: DenseHooks | None = None) -> None:
-        self.model = model = setup.model
-        self.cfg = cfg = model.cfg
-        self.runtime = setup.runtime
-        self.session_id = session_id
-        if self.runtime is not None:
-            self.runtime.admit(session_id, DreamZeroSpec.from_model_config(cfg), rows=2)
-            self.hooks = hooks or PagedHooks(self.runtime, session_id)
-        else:
-            self.hooks = hooks or DenseHooks()
-        self.seed = seed
-        self._loop: LoopDriver | None = None  # the library loop, once run_chunk is first called
-        self.gen = torch.Generator().manual_seed(seed)
-        context = self.noise(1, cfg.text_len, cfg.text_dim)
-        image = self.noise(2, cfg.image_len, cfg.image_dim) if cfg.image_len else None
-        self.cross_kvs = model.prepare_cross_kv(torch.cat([context, torch.zeros_like(context)]), image)
-        self.caches = self.hooks.caches(model, 2)
-        self.start_frame = 0
-        self.previous: tuple | None = None
-        self.sigmas: list[float] = []
-
-    def noise(self, *shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=self.gen)
-
-    def commit(self, video: torch.Tensor, action: torch.Tensor, start_frame: int) -> None:
-        """A commit forward over a clean chunk (its K/V becomes history)."""
-        cfg = self.cfg
-        with self.hooks.forward("commit", start_frame=start_frame, num_frames=cfg.num_frame_per_block):
-            _, _, self.caches = self.model(video.expand(2, -1, -1), action.expand(2, -1, -1), torch.zeros(2),
-                                           start_frame, self.caches, self.cross_kvs, update_kv_cache=True)
-
-    def commit_random_chunk(self) -> None:
-        """Commit a random clean chunk at the current start frame and advance (fills the window)."""
-        cfg = self.cfg
-        self.commit(self.noise(1, cfg.chunk_tokens, cfg.in_channels),
-                    self.noise(1, cfg.action_register_length, cfg.action_dim), self.start_frame)
-        self.start_frame += cfg.num_frame_per_block
-
-    def denoise(self, x: torch.Tensor, a: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One denoising forward of the current chunk (nothing becomes history)."""
-        cfg = self.cfg
-        with self.hooks.forward("denoise", start_frame=self.start_frame, num_frames=cfg.num_frame_per_block):
-            v_x, v_a, _ = self.model(x.expand(2, -1, -1), a.expand(2, -1, -1), t, self.start_frame, self.caches,
-                                     self.cross_kvs, update_kv_cache=False)
-        return v_x, v_a
-
-    def denoise_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        return (self.noise(1, cfg.chunk_tokens, cfg.in_channels),
-                self.noise(1, cfg.action_register_length, cfg.action_dim), torch.full((2,), 500.0))
-
-    def run_chunk(self, steps: int, guidance: float = 5.0, observe: Callable[[], None] | None = None) -> None:
-        """One chunk of the library's rollout loop (`dreamzero_steps`): the commit of the previous clean
-        chunk, `steps` denoising forwards, advance (and reset the window when it is due)."""
-        if self._loop is None:
-            self._loop = LoopDriver(dreamzero_steps(self.model, num_chunks=2**31 - 1, num_inference_steps=steps,
-                                                    guidance_scale=guidance, seed=self.seed,
-                                                    hooks=_CacheRecorder(self)), self.hooks,
-                                    on_result=self._keep_caches)
-        chunk = self._loop.pending_index()
-        self._loop.run_while(lambda forward: forward.index == chunk, observe)
-
-    def _keep_caches(self, forward, result) -> None:
-        if forward.kind == "commit":  # the caches the loop holds from now on (dense: grown by the commit)
-            self.caches = result[2]
+    def __init__(self, setup: Setup, owner_id: str = "owner", *, hooks: DenseHooks | None = None, **loop: Any) -> None:
+        model, runtime = setup.model, setup.runtime
+        family = families.for_model(model)
+        self.runtime, self.owner_id = runtime, owner_id
+        if runtime is not None:
+            spec = family.spec_for(model, **loop)
+            loop = family.loop_arguments(runtime, spec, loop)
+            runtime.admit(owner_id, spec)
+        self.hooks = hooks or (PagedHooks(runtime, owner_id) if runtime is not None else DenseHooks())
+        try:
+            self.loop = Loop(family.steps(model, self.hooks, **loop), self.hooks)  # runs the loop's setup
+        except BaseException:
+            if runtime is not None:
+                runtime.abort(owner_id)
+            raise
 
     def close(self) -> None:
-        self.caches = []
-        if self.runtime is not None:
-            self.runtime.release(self.session_id)
-
-
-class HunyuanRequestDriver:
-    """One HunyuanImage-3 request (1 or 2 CFG rows) driven forward by forward (the loop of `hunyuan_generate`)."""
-
-    def __init__(self, setup: Setup, prompt_lens: Sequence[int], capacity: int, request_id: str = "request",
-                 seed: int = 0, hooks: DenseHooks | None = None) -> None:
-        self.model = model = setup.model
-        self.cfg = cfg = model.cfg
-        self.runtime = setup.runtime
-        self.request_id = request_id
-        gen = torch.Generator().manual_seed(seed)
-        prompts = [torch.randint(0, cfg.vocab, (n,), generator=gen) for n in prompt_lens]
-        if self.runtime is not None:
-            self.runtime.admit(request_id, hunyuan_spec(cfg, prompts))
-            self.hooks = hooks or PagedHooks(self.runtime, request_id)
-        else:
-            self.hooks = hooks or DenseHooks()
-        self.prompts, self.seed = prompts, seed
-        self._loop: LoopDriver | None = None  # the library loop, once forward is first called
-        self.req = model.build_request(prompts, capacity)
-        self.caches = self.hooks.caches(model, self.req.batch, prefix_capacity=capacity)
-        self.x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen)
-        self.steps_done = 0
-
-    def _target(self, t: float) -> torch.Tensor:
-        b = self.req.batch
-        return self.model.embed_target(self.x.expand(b, -1, -1), torch.full((b,), t))
-
-    def prefill(self, t: float = 1000.0) -> torch.Tensor:
-        req = self.req
-        target = self._target(t)
-        with self.hooks.forward("prefill", attention_mask=req.attention_mask):
-            hidden = self.model(torch.cat([req.prefix_embeds, target], dim=1), req.rope_cos, req.rope_sin,
-                                req.attention_mask, self.caches, req.prefix_valid, "prefill")
-        return hidden[:, req.prefix_capacity:]
-
-    def step(self, t: float = 500.0) -> torch.Tensor:
-        req = self.req
-        target = self._target(t)
-        with self.hooks.forward("step", attention_mask=req.step_attention_mask):
-            return self.model(target, req.step_rope_cos, req.step_rope_sin, req.step_attention_mask, self.caches,
-                              req.prefix_valid, "step")
-
-    def forward(self, num_steps: int) -> torch.Tensor:
-        """The next forward of the library's `num_steps` generation loop (`hunyuan_steps`); its hidden states."""
-        if self._loop is None:
-            self._loop = LoopDriver(hunyuan_steps(self.model, self.prompts, prefix_capacity=self.req.prefix_capacity,
-                                                  num_steps=num_steps, seed=self.seed, hooks=_CacheRecorder(self)),
-                                    self.hooks)
-        hidden = self._loop.run_one()
-        self.steps_done += 1
-        return hidden
-
-    def finish(self) -> None:
-        self.caches = []
-        if self.runtime is not None:
-            self.runtime.release(self.request_id)
+        """End the loop where it is and release the owner (paged)."""
+        self.loop.steps.close()
+        if self.runtime is not None and self.runtime.owner(self.owner_id) is not None:
+            self.runtime.release(self.owner_id)
 
 
 # ---- allocations -----------------------------------------------------------------------------------
@@ -446,6 +216,16 @@ class AllocationTracker:
             live += size
             peak = max(peak, live)
         self.peak_bytes, self.final_bytes, self.events = peak, live, len(deltas)
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in `obj`: itself, or those in a list/tuple, or an object's tensor attributes (a cache object),
+    recursively."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors_in(item)]
+    return [t for value in getattr(obj, "__dict__", {}).values() for t in tensors_in(value)]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -19,23 +19,13 @@ import contextlib
 import dataclasses
 import json
 import time
-
+from typing import Callable
 
 import torch
 
-from benchmarks._common import (
-    DZ_TINY,
-    HY_PROMPTS,
-    HY_TINY,
-    DreamZeroSession,
-    HunyuanRequestDriver,
-    bench_settings,
-    dreamzero_setup,
-    format_table,
-    hunyuan_setup,
-    machine_info,
-    warm_inductor,
-)
+from benchmarks._common import OwnerRun, Setup, bench_settings, format_table, machine_info, warm_inductor
+from benchmarks._models import (DZ_TINY, HY_PROMPTS, HY_TINY, dreamzero_loop, dreamzero_setup, hunyuan_loop,
+                               hunyuan_setup)
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B
 
 
@@ -71,52 +61,41 @@ def _row(family, layers, path, setup, cold, warm, frames_cold) -> dict:
     }
 
 
-def bench_dreamzero(layers: int, inner: str) -> list[dict]:
-    cfg = dataclasses.replace(DZ_TINY, num_layers=layers)
-    chunks = cfg.window_frames // cfg.num_frame_per_block + 1  # until the dense cache is at its maximum
+def _bench(family: str, layers: int, make: Callable[[str], Setup], loop: dict) -> list[dict]:
+    """One session/request of the model's loop run twice (cold, then warm) per path, each time from a fresh
+    dynamo."""
     rows = []
     for path in ("dense", "paged"):
         torch._dynamo.reset()
-        setup = dreamzero_setup(cfg, path, inner)
+        setup = make(path)
         try:
             timings = []
             for run_id in ("cold", "warm"):
                 t0 = time.perf_counter()
-                session = DreamZeroSession(setup, session_id=run_id, seed=0)
-                for _ in range(chunks):
-                    session.run_chunk(steps=1)
-                session.close()
+                run = OwnerRun(setup, run_id, **loop)
+                run.loop.run()
+                run.close()
                 timings.append(time.perf_counter() - t0)
                 if run_id == "cold":
                     frames_cold = setup.backend.frames
-            rows.append(_row("dreamzero", layers, path, setup, *timings, frames_cold))
+            rows.append(_row(family, layers, path, setup, *timings, frames_cold))
         finally:
             setup.close()
     return rows
+
+
+def bench_dreamzero(layers: int, inner: str) -> list[dict]:
+    cfg = dataclasses.replace(DZ_TINY, num_layers=layers)
+    chunks = cfg.window_frames // cfg.num_frame_per_block + 1  # until the dense cache is at its maximum
+    return _bench("dreamzero", layers, lambda path: dreamzero_setup(cfg, path, inner),
+                  dreamzero_loop(num_chunks=chunks, steps=1, seed=0))
 
 
 def bench_hunyuan(layers: int, inner: str) -> list[dict]:
     cfg = dataclasses.replace(HY_TINY, num_layers=layers)
     lens, capacity = HY_PROMPTS["tiny"]
-    rows = []
-    for path in ("dense", "paged"):
-        torch._dynamo.reset()
-        setup = hunyuan_setup(cfg, path, inner, max_prefix=capacity)
-        try:
-            timings = []
-            for run_id in ("cold", "warm"):
-                t0 = time.perf_counter()
-                request = HunyuanRequestDriver(setup, lens, capacity, request_id=run_id, seed=0)
-                request.forward(2)
-                request.forward(2)
-                request.finish()
-                timings.append(time.perf_counter() - t0)
-                if run_id == "cold":
-                    frames_cold = setup.backend.frames
-            rows.append(_row("hunyuan_image3", layers, path, setup, *timings, frames_cold))
-        finally:
-            setup.close()
-    return rows
+    return _bench("hunyuan_image3", layers, lambda path: hunyuan_setup(cfg, path, inner, max_prefix=capacity),
+                  hunyuan_loop(cfg, lens, capacity, num_steps=2, seed=0))
 
 
 def run(quick: bool = False, inner: str | None = None, layers: list[int] | None = None,

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import DZ_MID, DZ_TINY, bench_settings, interleaved, machine_info, markdown_table, summarize  # noqa: E402
+from benchmarks._common import bench_settings, interleaved, machine_info, markdown_table, summarize  # noqa: E402
+from benchmarks._models import DZ_MID, DZ_TINY  # noqa: E402
 from paged_kv_compile import CapacityError, families  # noqa: E402
 from paged_kv_compile.allocator import BuiltinAllocator  # noqa: E402
 from paged_kv_compile.families.base import ceil_div  # noqa: E402

@@ -23,21 +23,24 @@ import time
 import torch
 
 from benchmarks._common import (
+    OwnerRun,
+    bench_settings,
+    format_table,
+    interleaved,
+    machine_info,
+    ratio_entry,
+    warm_inductor,
+)
+from benchmarks._models import (
     DZ_MID,
     DZ_TINY,
     HY_MID,
     HY_PROMPTS,
     HY_TINY,
-    DreamZeroSession,
-    HunyuanRequestDriver,
-    bench_settings,
+    dreamzero_loop,
     dreamzero_setup,
-    format_table,
+    hunyuan_loop,
     hunyuan_setup,
-    interleaved,
-    machine_info,
-    ratio_entry,
-    warm_inductor,
 )
 
 CONFIGS = {"tiny": (DZ_TINY, HY_TINY), "mid": (DZ_MID, HY_MID)}
@@ -57,13 +60,15 @@ def _span(cfg, committed: int) -> int:
     return min((committed + 1) * cfg.chunk_tokens, cfg.max_attention_size)
 
 
-def host_ms(hooks, kind: str, n: int = 20, **info) -> float:
-    """Median ms of the paged runtime's per-forward host work alone: plan + metadata + finish, no model."""
-    times = []
+def host_ms(run: OwnerRun, n: int = 20) -> float:
+    """Median ms of the paged runtime's host work alone for the run's pending forward: plan + metadata + finish, no
+    model."""
+    forward, hooks, rt, times = run.loop.pending, run.hooks, run.runtime, []
     for _ in range(n):
         t0 = time.perf_counter()
-        rt = hooks.runtime  # no model: the forward deliberately runs no attention
-        with rt.forward_plan(rt.plan(hooks.owner_id, kind, **{**hooks.geometry, **info}), expect_attention=False):
+        # no model: the forward deliberately runs no attention
+        with rt.forward_plan(rt.plan(hooks.owner_id, forward.kind, **{**hooks.geometry, **forward.info}),
+                             expect_attention=False):
             pass
         times.append(time.perf_counter() - t0)
     return round(statistics.median(times) * 1e3, 3)
@@ -74,38 +79,38 @@ def _diff(a, b) -> float:
 
 
 def bench_dreamzero(name: str, cfg, inner: str, repeats: int, inner_loops: int, quick: bool) -> list[dict]:
+    """The session's own loop, 1 denoising step per chunk, on both paths with the same seed. At each fill level
+    both loops run to their first denoising forward after that many commits, and that forward (it changes no
+    state) is repeated and timed; then, at full window, the next commit is repeated and timed."""
     dense = dreamzero_setup(cfg, "dense", inner)
     paged = dreamzero_setup(cfg, "paged", inner)
-    history = dreamzero_setup(cfg, "eager", inner)  # builds the dense history without compiling every length
+    levels = fill_levels(cfg, quick)
+    loop = dreamzero_loop(num_chunks=levels[-1][1] + 2, steps=1, seed=0)  # up to the commit after the last level
     rows = []
     try:
-        sd, sp = DreamZeroSession(dense, seed=0), DreamZeroSession(paged, seed=0)
-        committed = 0
-        for label, level in fill_levels(cfg, quick):
-            while committed < level:  # identical chunks on both sides (same seeds)
-                sd.model = history.model
-                sd.commit_random_chunk()
-                sd.model = dense.model
-                sp.commit_random_chunk()
-                committed += 1
-            x, a, t = sd.denoise_inputs()
-            sp.denoise_inputs()  # keep both generators in step
-            diff = _diff(sd.denoise(x, a, t), sp.denoise(x, a, t))
-            times = interleaved({"dense": lambda: sd.denoise(x, a, t), "paged": lambda: sp.denoise(x, a, t)},
-                                repeats, inner_loops)
+        sd, sp = OwnerRun(dense, **loop), OwnerRun(paged, **loop)
+        for label, committed in levels:
+            def before_level(forward, committed=committed) -> bool:
+                return forward.kind != "denoise" or forward.index < committed
+
+            # The dense history is built uncompiled: its compiled blocks see only the timed cache lengths.
+            with torch.compiler.set_stance("force_eager"):
+                sd.loop.run_while(before_level)
+            sp.loop.run_while(before_level)
+            diff = _diff(sd.loop.call_pending()[:2], sp.loop.call_pending()[:2])  # (video, action) velocities
+            times = interleaved({"dense": sd.loop.call_pending, "paged": sp.loop.call_pending}, repeats, inner_loops)
             span = _span(cfg, committed)
             rows.append({
                 "family": "dreamzero", "config": name, "forward": "denoise", "fill": label,
                 "committed_chunks": committed, "keys_per_query": span + cfg.action_register_length,
                 "fill_fraction": round(span / cfg.max_attention_size, 3), **ratio_entry(times),
-                "paged_host_ms": host_ms(sp.hooks, "denoise"), "max_abs_diff": diff,
+                "paged_host_ms": host_ms(sp), "max_abs_diff": diff,
             })
         # A commit at full window: the paged side allocates, builds fresh metadata and evicts every time.
-        video = sd.noise(1, cfg.chunk_tokens, cfg.in_channels)
-        action = sd.noise(1, cfg.action_register_length, cfg.action_dim)
-        start = sd.start_frame
-        times = interleaved({"dense": lambda: sd.commit(video, action, start),
-                             "paged": lambda: sp.commit(video, action, start)}, repeats, inner_loops)
+        for run in (sd, sp):
+            run.loop.run_one()  # the last timed denoising forward; the next chunk's commit is pending
+        assert sd.loop.pending.kind == sp.loop.pending.kind == "commit"
+        times = interleaved({"dense": sd.loop.call_pending, "paged": sp.loop.call_pending}, repeats, inner_loops)
         rows.append({
             "family": "dreamzero", "config": name, "forward": "commit", "fill": "full window",
             "committed_chunks": committed, "keys_per_query": cfg.max_attention_size + cfg.action_register_length,
@@ -121,29 +126,34 @@ def bench_dreamzero(name: str, cfg, inner: str, repeats: int, inner_loops: int, 
 
 
 def bench_hunyuan(name: str, cfg, inner: str, repeats: int, inner_loops: int) -> list[dict]:
+    """The request's own loop (a prefill, one step) on both paths with the same prompts and seed; each forward is
+    repeated and timed before the loop moves on (a repeated prefill writes the same prefix again)."""
     lens, capacity = HY_PROMPTS[name]
     dense = hunyuan_setup(cfg, "dense", inner, max_prefix=capacity)
     paged = hunyuan_setup(cfg, "paged", inner, max_prefix=capacity)
+    loop = hunyuan_loop(cfg, lens, capacity, num_steps=2, seed=0)
     rows = []
     try:
-        rd = HunyuanRequestDriver(dense, lens, capacity, seed=0)
-        rp = HunyuanRequestDriver(paged, lens, capacity, seed=0)
+        rd, rp = OwnerRun(dense, **loop), OwnerRun(paged, **loop)
         for forward in ("prefill", "step"):
-            fd, fp = getattr(rd, forward), getattr(rp, forward)
-            diff = float((fd() - fp()).abs().max())
-            times = interleaved({"dense": fd, "paged": fp}, repeats, inner_loops)
+            assert rd.loop.pending.kind == rp.loop.pending.kind == forward
+            # the target span's hidden states (a prefill's output also holds the padded prompt's)
+            diff = float((rd.loop.call_pending()[:, -cfg.target_len:]
+                          - rp.loop.call_pending()[:, -cfg.target_len:]).abs().max())
+            times = interleaved({"dense": rd.loop.call_pending, "paged": rp.loop.call_pending}, repeats, inner_loops)
             tokens = capacity + cfg.target_len if forward == "prefill" else cfg.target_len
             rows.append({
                 "family": "hunyuan_image3", "config": name, "forward": forward,
                 "fill": f"prompts {list(lens)} / capacity {capacity}", "tokens_per_row": tokens,
                 "keys_per_query": capacity + cfg.target_len, **ratio_entry(times),
-                "paged_host_ms": host_ms(rp.hooks, forward, attention_mask=rp.req.attention_mask
-                                         if forward == "prefill" else None), "max_abs_diff": diff,
+                "paged_host_ms": host_ms(rp), "max_abs_diff": diff,
             })
+            for run in (rd, rp):
+                run.loop.run_one()
         for r in rows:
             r["graphs_dense"], r["graphs_paged"] = dense.backend.frames, paged.backend.frames
-        rd.finish()
-        rp.finish()
+        rd.close()
+        rp.close()
     finally:
         paged.close()
     return rows

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from benchmarks._common import DZ_MID, DZ_TINY, HY_MID, HY_PROMPTS, HY_TINY, format_table
+from benchmarks._common import format_table
+from benchmarks._models import DZ_MID, DZ_TINY, HY_MID, HY_PROMPTS, HY_TINY
 from paged_kv_compile.driver import PagedHooks
 from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec

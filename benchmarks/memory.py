@@ -33,22 +33,21 @@ import time
 import torch
 
 from benchmarks._common import (
-    DZ_TINY,
-    HY_TINY,
     AllocationTracker,
-    DreamZeroSession,
-    HunyuanRequestDriver,
+    OwnerRun,
     bench_settings,
-    dreamzero_setup,
     format_table,
-    hunyuan_setup,
     machine_info,
     storage_bytes,
+    tensors_in,
 )
+from benchmarks._models import (DZ_TINY, HY_TINY, dreamzero_loop, dreamzero_setup, held_caches, hunyuan_loop,
+                                hunyuan_setup)
 from paged_kv_compile.allocator import BuiltinAllocator
 from paged_kv_compile.config import PagedKVConfig
 from paged_kv_compile.driver import PagedHooks
 from paged_kv_compile.errors import CapacityError, ConfigError
+from paged_kv_compile.models.hooks import DenseHooks
 from paged_kv_compile.families.dreamzero import DreamZeroSpec, session_blocks_per_row
 from paged_kv_compile.models.dreamzero import DREAMZERO_14B
 from paged_kv_compile.models.hunyuan_image3 import HUNYUAN_IMAGE3
@@ -314,7 +313,7 @@ def fp8_capacity(budget_gib: float = 80.0) -> dict:
 
 
 class _ObservedHooks(PagedHooks):
-    """PagedHooks that sample the allocator inside every forward (after the plan took its blocks)."""
+    """PagedHooks that sample the allocator inside every forward (after the plan took its blocks) and after it."""
 
     def __init__(self, runtime, owner_id, observe) -> None:
         super().__init__(runtime, owner_id)
@@ -326,36 +325,50 @@ class _ObservedHooks(PagedHooks):
             self._observe()
             yield active
 
+    def after(self, forward, result) -> None:
+        self._observe()
+
+
+class _HeldDense(DenseHooks):
+    """Dense hooks that keep the caches their loop holds, for the KV-held figure: those handed out, then what a
+    forward hands back in their place (`_models.held_caches`); sampled after every forward."""
+
+    def __init__(self, observe) -> None:
+        self._observe = observe
+        self.held: list = []
+
+    def caches(self, model, batch, **geometry):
+        self.held = super().caches(model, batch, **geometry)
+        return self.held
+
+    def after(self, forward, result) -> None:
+        self.held = held_caches(forward, result, self.held)
+        self._observe()
+
 
 def _schedule(dz, hy, tag: str, n: int, m: int, chunks: int, dz_steps: int, hy_steps: int, observe,
-              drivers: list) -> int:
-    """N sessions and M requests, round-robin (appended to `drivers`); returns the number of forwards."""
-    sessions, requests = [], []
-    for i in range(n):
-        hooks = _ObservedHooks(dz.runtime, f"{tag}-dz{i}", observe) if dz.runtime else None
-        sessions.append(DreamZeroSession(dz, f"{tag}-dz{i}", seed=i, hooks=hooks))
-    for j in range(m):
-        hooks = _ObservedHooks(hy.runtime, f"{tag}-hy{j}", observe) if hy.runtime else None
-        lens = TINY_HY_PROMPTS[j % len(TINY_HY_PROMPTS)]
-        requests.append(HunyuanRequestDriver(hy, lens, TINY_HY_CAPACITY, f"{tag}-hy{j}", seed=j, hooks=hooks))
-    drivers += sessions + requests
+              runs: list) -> int:
+    """N sessions and M requests, round-robin: per round each runs one index of its loop (a chunk of a session, a
+    step of a request), `observe()` after every forward; appended to `runs`. Returns the number of forwards."""
+
+    def start(setup, owner_id: str, loop: dict) -> OwnerRun:
+        hooks = _ObservedHooks(setup.runtime, owner_id, observe) if setup.runtime else _HeldDense(observe)
+        return OwnerRun(setup, owner_id, hooks=hooks, **loop)
+
+    scheduled = [start(dz, f"{tag}-dz{i}", dreamzero_loop(num_chunks=chunks, steps=dz_steps, seed=i))
+                 for i in range(n)]
+    scheduled += [start(hy, f"{tag}-hy{j}", hunyuan_loop(hy.model.cfg, TINY_HY_PROMPTS[j % len(TINY_HY_PROMPTS)],
+                                                          TINY_HY_CAPACITY, hy_steps, seed=j)) for j in range(m)]
+    runs += scheduled
     observe()
-    forwards = 0
-    for r in range(max(chunks, hy_steps)):
-        for s in sessions:
-            if r < chunks:
-                s.run_chunk(dz_steps, observe=observe)
-                forwards += dz_steps + (r > 0)
-        for q in requests:
-            if q.steps_done < hy_steps:
-                q.forward(hy_steps)
-                observe()
-                forwards += 1
-    for s in sessions:
-        s.close()
-    for q in requests:
-        q.finish()
-    return forwards
+    while not all(run.loop.done for run in scheduled):
+        for run in scheduled:
+            run.loop.run_index(run.hooks.after)
+    for run in scheduled:
+        run.close()
+        if isinstance(run.hooks, _HeldDense):
+            run.hooks.held = []  # a closed run holds no cache
+    return sum(run.loop.forwards for run in scheduled)
 
 
 def measured(n: int, m: int, inner: str, chunks: int | None = None, dz_steps: int = 2, hy_steps: int = 3) -> dict:
@@ -374,12 +387,12 @@ def measured(n: int, m: int, inner: str, chunks: int | None = None, dz_steps: in
         hy = hunyuan_setup(hy_cfg, path, inner, max_prefix=TINY_HY_CAPACITY, blocks_per_layer=max(hy_blocks, 1),
                            block_size=TINY_HY_BLOCK)
         live: dict[str, list] = {"held": [0]}
-        drivers: list = []
+        runs: list = []
         rts = [dz.runtime, hy.runtime]
         try:
             if path == "dense":
                 def observe() -> None:
-                    live["held"].append(storage_bytes(_dense_cache_tensors(drivers)))
+                    live["held"].append(storage_bytes(_dense_cache_tensors(runs)))
             else:
                 def observe() -> None:
                     live["held"].append(sum(
@@ -400,7 +413,7 @@ def measured(n: int, m: int, inner: str, chunks: int | None = None, dz_steps: in
                 }
             t0 = time.perf_counter()
             with AllocationTracker() as tracker:
-                forwards = _schedule(dz, hy, "run", n, m, chunks, dz_steps, hy_steps, observe, drivers)
+                forwards = _schedule(dz, hy, "run", n, m, chunks, dz_steps, hy_steps, observe, runs)
             held_peak = max(live["held"])
             reserved_total = sum(reserved.values()) if path == "paged" else held_peak
             out[path] = {
@@ -431,16 +444,9 @@ def measured(n: int, m: int, inner: str, chunks: int | None = None, dz_steps: in
     }
 
 
-def _dense_cache_tensors(drivers: list) -> list[torch.Tensor]:
-    """Every cache tensor the live dense drivers hold (closed ones hold none)."""
-    tensors = []
-    for d in drivers:
-        if isinstance(d, DreamZeroSession):
-            tensors += list(d.caches)
-        else:
-            for c in d.caches:
-                tensors += [c.cached_key, c.cached_value]
-    return tensors
+def _dense_cache_tensors(runs: list[OwnerRun]) -> list[torch.Tensor]:
+    """Every cache tensor the live dense runs hold (closed ones hold none)."""
+    return tensors_in([run.hooks.held for run in runs])
 
 
 def run(quick: bool = False, inner: str | None = None, sessions: int | None = None, requests: int | None = None,

@@ -74,16 +74,20 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new_gm
 
 
-def _inner_compile(name: str, gm: fx.GraphModule, example_inputs: list) -> Callable:
+def inner_compile(name: str, gm: fx.GraphModule, example_inputs: list) -> Callable:
+    """Compile `gm` with the inner compiler `name` ("inductor", "aot_eager" or "eager"), as this backend hands a
+    graph on; also what a dense model compiled for comparison gets (the benchmarks, `counting.CountingBackend`)."""
     if name == "eager":
         return gm.forward
     if name == "aot_eager":
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend("aot_eager")(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
+    if name == "inductor":
+        from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs)
+    raise ConfigError(f"unknown inner_compiler {name!r}; choose one of {', '.join(INNER_COMPILERS)}")
 
 
 def _resolve_options(options: dict | None, runtime) -> dict:
@@ -125,7 +129,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     opts = _resolve_options(options, runtime)
     if not any(binding.is_standin(v) for v in example_inputs):
         _record(rewrite(gm, example_inputs, is_standin=binding.is_standin))
-        return _inner_compile(opts["inner_compiler"], gm, example_inputs)
+        return inner_compile(opts["inner_compiler"], gm, example_inputs)
 
     from .debug import maybe_dump
 
@@ -137,7 +141,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     _record(result)
     maybe_dump(opts["dump_dir"], before, result)
     if not result.changed:
-        return _inner_compile(opts["inner_compiler"], new_gm, example_inputs)
+        return inner_compile(opts["inner_compiler"], new_gm, example_inputs)
     if runtime is None:
         raise BindingError(
             "this graph reads KV-cache stand-ins but no live runtime has bound its weights: call runtime.bind(layers) "
@@ -153,7 +157,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
             "(the family's runtime config sets it with cross_regions=N)")
     layers = [binding.resolve(example_inputs[site.weight_input])[1] for site in result.sites]
     extras = extra_values(result.inputs, runtime.pool, meta, layers)
-    compiled = _inner_compile(opts["inner_compiler"], new_gm, list(example_inputs) + extras)
+    compiled = inner_compile(opts["inner_compiler"], new_gm, list(example_inputs) + extras)
     masks = [(s.mask_input, s.mask_replay) for s in result.sites] if opts["check_mask"] else []
     if opts["check_mask"] and any(index is None for index, _ in masks):
         raise ConfigError("check_mask: a site's mask is computed inside the graph, not passed in; it cannot be checked")

@@ -1,32 +1,15 @@
-"""Shared test helpers: compiling blocks regionally with a counting paged_kv backend."""
+"""Shared test helpers: compiling blocks regionally with a counting paged_kv backend (`paged_kv_compile.counting`)."""
 
 from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass, field
 
 import torch
 
-from paged_kv_compile.backend import paged_kv_backend, record_passes
+from paged_kv_compile.counting import CountingBackend  # noqa: F401  (the tests import it from here)
 
 HOST_SYNC_TARGETS = {"item", "cpu", "tolist", "numpy", "_local_scalar_dense"}
-
-
-@dataclass
-class CountingBackend:
-    """A paged_kv backend that counts compiled frames and keeps their pass results."""
-
-    options: dict = field(default_factory=dict)
-    frames: int = 0
-    results: list = field(default_factory=list)
-
-    def __call__(self, gm, example_inputs):
-        self.frames += 1
-        with record_passes() as got:
-            fn = paged_kv_backend(gm, example_inputs, options=self.options)
-        self.results.extend(got)
-        return fn
 
 
 def compile_blocks(blocks: torch.nn.ModuleList, backend) -> None:

@@ -19,7 +19,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import compile_cost, forward_time, gpu_check, gpu_suite, memory, metadata_cost, run_all  # noqa: E402
-from benchmarks._common import DZ_TINY, summarize  # noqa: E402
+from benchmarks._common import summarize  # noqa: E402
+from benchmarks._models import DZ_TINY  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

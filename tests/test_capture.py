@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import CountingBackend, compile_blocks
 
-from paged_kv_compile.capture import CaptureError, CapturedBlocks, EmulatedGraphs, warm_up
+from paged_kv_compile.capture import CaptureError, CapturedBlocks, EmulatedGraphs, unique_graphs, warm_up
 from paged_kv_compile.families.dreamzero import dreamzero_block_inputs, dreamzero_buckets, dreamzero_runtime_config
 from paged_kv_compile.families.hunyuan_image3 import hunyuan_buckets, hunyuan_layer_inputs, hunyuan_runtime_config
 from paged_kv_compile.config import Bucket
@@ -30,12 +30,6 @@ CAPACITY = 12
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
-
-
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 def _dreamzero(device="cpu", inner="aot_eager", buckets=None):
@@ -86,10 +80,10 @@ def test_dreamzero_warmup_then_rollout_compiles_nothing_and_matches_dense(capfd)
     assert "rows=2 tokens=37 context=96: compile" in report.format()
     assert backend.frames == 1
 
-    graphs = _unique_graphs()
+    graphs = unique_graphs()
     with captured.serving():  # fail_on_recompile: a compile here raises
         paged = paged_run(model, runtime, num_chunks=10, num_inference_steps=2, seed=3)
-    assert _unique_graphs() == graphs and backend.frames == 1
+    assert unique_graphs() == graphs and backend.frames == 1
     assert dense["resets"] == paged["resets"] and dense["resets"]
     for key in ("video", "actions"):
         assert (dense[key] - paged[key]).abs().max().item() <= ATOL
@@ -109,11 +103,11 @@ def test_hunyuan_warmup_covers_every_bucket_and_serving_compiles_nothing():
     assert sorted(b.bucket for b in captured.report.buckets) == sorted(buckets)
     assert all(b.graphs_compiled == 1 for b in captured.report.buckets)
     requests = [_prompts([9]), _prompts([11, 4], seed=1)]
-    graphs = _unique_graphs()
+    graphs = unique_graphs()
     with captured.serving():
         got = [paged_run(model, runtime, prompts=p, owner_id=f"r{i}", num_steps=3, seed=5)
                for i, p in enumerate(requests)]
-    assert _unique_graphs() == graphs and backend.frames == 4
+    assert unique_graphs() == graphs and backend.frames == 4
     for prompts, out in zip(requests, got):
         assert (_dense_hunyuan(prompts) - out).abs().max().item() <= ATOL
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
@@ -275,10 +269,10 @@ def test_emulated_capture_replays_through_static_buffers_and_matches_dense():
     before = captured.addresses()
     outputs = before["outputs rows=2 tokens=37 context=96"]
     assert len(outputs) == 1  # the hidden states; the returned cache is a stand-in, passed through
-    graphs = _unique_graphs()
+    graphs = unique_graphs()
     with captured.serving():
         paged = paged_run(model, runtime, num_chunks=10, num_inference_steps=2, seed=3)
-    assert _unique_graphs() == graphs and backend.frames == 1
+    assert unique_graphs() == graphs and backend.frames == 1
     assert captured.stats["replays"] > 0 and captured.stats["direct_calls"] == 0
     assert captured.addresses() == before
     for key in ("video", "actions"):
@@ -310,11 +304,11 @@ def test_cuda_graph_capture_and_replay_match_eager():
     captured = warm_up(model, runtime, progress=False)
     assert captured.capture and captured.report.buckets[0].cuda_graphs == DZ_CFG.num_layers
     before = captured.addresses()
-    graphs = _unique_graphs()
+    graphs = unique_graphs()
     with captured.serving():
         paged = paged_run(model, runtime, num_chunks=10, num_inference_steps=2, seed=3)
     torch.cuda.synchronize()
-    assert _unique_graphs() == graphs and backend.frames == 1
+    assert unique_graphs() == graphs and backend.frames == 1
     assert captured.stats["replays"] > 0 and captured.stats["direct_calls"] == 0
     assert captured.addresses() == before
     for key in ("video", "actions"):

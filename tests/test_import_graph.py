@@ -115,6 +115,8 @@ GENERIC_SEAMS = ("paged_kv_compile.families.base", "paged_kv_compile.models.hook
 GENERIC_FILES = ["runtime.py", "scheduler.py", "driver.py", "cli.py", "demo.py", *(f"capture/{p.name}" for p in
                                                             sorted((ROOT / "capture").glob("*.py")))]
 FAMILY_WORDS = ("dreamzero", "hunyuan")
+#: the benchmarks' shared module is generic too: the families' configs and setups live in benchmarks/_models.py
+BENCHMARKS_COMMON = ROOT.parent / "benchmarks" / "_common.py"
 
 
 @pytest.mark.parametrize("layer", GENERIC)
@@ -126,7 +128,18 @@ def test_generic_layers_import_no_family_module(layer):
     assert not bad, f"{layer} imports family modules: {bad}"
 
 
-@pytest.mark.parametrize("name", GENERIC_FILES)
+def _family_imports(path: Path) -> list[str]:
+    """The family modules (and models) a file imports, beyond the registry, its base class and the hooks seam."""
+    modules = set(import_graph())
+    return sorted(d for d in _imports(path, modules) if d.startswith(FAMILY_MODULES) and d not in GENERIC_SEAMS)
+
+
+def test_the_benchmarks_common_module_imports_no_family_module():
+    bad = _family_imports(BENCHMARKS_COMMON)
+    assert not bad, f"benchmarks/_common.py imports family modules {bad}; move that code to benchmarks/_models.py"
+
+
+@pytest.mark.parametrize("name", GENERIC_FILES + ["../benchmarks/_common.py"])
 def test_generic_files_name_no_family(name):
     """Not even in a docstring or a message: what is specific to a family is taught from its module."""
     text = (ROOT / name).read_text().lower()
@@ -135,9 +148,10 @@ def test_generic_files_name_no_family(name):
 
 
 def test_the_family_word_check_finds_a_family_name():
-    """The check above is not vacuous: it reads the files it names and would see a family there."""
-    assert all((ROOT / name).is_file() for name in GENERIC_FILES)
+    """The checks above are not vacuous: they read the files they name and would see a family there."""
+    assert all((ROOT / name).is_file() for name in GENERIC_FILES) and BENCHMARKS_COMMON.is_file()
     assert any(w in (ROOT / "families" / "dreamzero.py").read_text().lower() for w in FAMILY_WORDS)
+    assert _family_imports(ROOT.parent / "benchmarks" / "_models.py")  # it imports the families' modules
 
 
 @pytest.mark.parametrize("layer, allowed", [

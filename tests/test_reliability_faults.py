@@ -6,8 +6,9 @@ are bit-exactly what they were before it), can be retried, and the retried reque
 result of a clean run on a fresh runtime.
 
 The library's step generators (`dreamzero_steps` / `hunyuan_steps`, the loops `dreamzero_rollout` /
-`hunyuan_generate` run) are driven here by `paced`, which yields before every forward, so a test can
-interleave sessions on one runtime, abort between forwards, and retry a forward that failed.
+`hunyuan_generate` run) are driven here by `paced`, a `models.hooks.Loop` that yields before every
+forward, so a test can interleave sessions on one runtime, abort between forwards, and retry a forward
+that failed.
 `test_reliability_soak.py` uses them too.
 """
 
@@ -25,6 +26,7 @@ from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime
 from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec
 from paged_kv_compile import models
 from paged_kv_compile.metadata import BucketMetadata
+from paged_kv_compile.models.hooks import Loop
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
@@ -45,36 +47,28 @@ class InjectedFault(RuntimeError):
 
 
 # ---- the loops as generators -------------------------------------------------------------------------------
-def _attempt(hooks, kind: str, info: dict, call, *, retries: int = 0, wait_for_capacity: bool = False):
-    """Run one forward `call()` inside `hooks.forward`; on an injected fault yield ("retry", kind) and run it
-    again (at most `retries` times); on CapacityError with `wait_for_capacity`, yield ("blocked", kind) and retry."""
-    failures = 0
-    while True:
-        try:
-            with hooks.forward(kind, **info):
-                return call()
-        except (InjectedFault, asyncio.CancelledError):
-            failures += 1
-            if failures > retries:
-                raise
-            yield ("retry", kind)
-        except CapacityError:
-            if not wait_for_capacity:
-                raise
-            yield ("blocked", kind)
-
-
-def paced(loop, hooks, *, retries: int = 0, wait_for_capacity: bool = False):
-    """Drive a library step generator: yield (kind, index) before each forward, then run it via `_attempt`."""
-    result = None
-    while True:
-        try:
-            forward = loop.send(result)
-        except StopIteration as stop:
-            return stop.value
-        yield (forward.kind, forward.index)
-        result = yield from _attempt(hooks, forward.kind, forward.info, forward.call, retries=retries,
-                                     wait_for_capacity=wait_for_capacity)
+def paced(steps, hooks, *, retries: int = 0, wait_for_capacity: bool = False):
+    """Drive a library step generator with `models.hooks.Loop`, as a generator: yield (kind, index) before each
+    forward, then run it. On an injected fault yield ("retry", kind) and run it again (at most `retries` times);
+    on CapacityError with `wait_for_capacity`, yield ("blocked", kind) and run it again. Returns the loop's result."""
+    loop = Loop(steps, hooks)
+    while not loop.done:
+        kind, failures = loop.pending.kind, 0
+        yield (kind, loop.pending.index)
+        while True:
+            try:
+                loop.run_one()
+                break
+            except (InjectedFault, asyncio.CancelledError):
+                failures += 1
+                if failures > retries:
+                    raise
+                yield ("retry", kind)
+            except CapacityError:
+                if not wait_for_capacity:
+                    raise
+                yield ("blocked", kind)
+    return loop.result
 
 
 def dreamzero_steps(model, hooks, *, num_chunks: int, steps: int, seed: int, out: dict | None = None,

@@ -36,7 +36,7 @@ silent recompile is an error; captured calls enforce that stance themselves as w
 from ..errors import CaptureError
 from .blocks import FALLBACKS, CapturedBlocks, ExampleInputs, model_blocks_and_inputs, warm_up
 from .graphs import CompiledOnlyGraphs, CudaGraphs, EmulatedGraphs
-from .report import BucketWarmup, WarmupReport, format_bucket
+from .report import BucketWarmup, WarmupReport, format_bucket, unique_graphs
 
 __all__ = [
     "FALLBACKS",
@@ -50,5 +50,6 @@ __all__ = [
     "WarmupReport",
     "format_bucket",
     "model_blocks_and_inputs",
+    "unique_graphs",
     "warm_up",
 ]

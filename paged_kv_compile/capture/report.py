@@ -54,6 +54,8 @@ def format_bucket(bucket: Bucket) -> str:
 
 
 def unique_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (its `unique_graphs` counter): the difference across a
+    block of code is what that block compiled, whichever backend (a warm-up, a demo, a test)."""
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]

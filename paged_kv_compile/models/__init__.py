@@ -16,7 +16,7 @@ from .dreamzero import (
     dreamzero_rollout,
     dreamzero_steps,
 )
-from .hooks import DenseHooks, Forward, drive
+from .hooks import DenseHooks, Forward, Loop, drive
 from .hunyuan_image3 import (
     HUNYUAN_IMAGE3,
     HunyuanAttention,
@@ -36,6 +36,7 @@ from .hunyuan_image3 import (
 __all__ = [
     "DenseHooks",
     "Forward",
+    "Loop",
     "drive",
     "dreamzero_steps",
     "hunyuan_steps",
