@@ -25,7 +25,7 @@ import torch
 from paged_kv_compile import families
 from paged_kv_compile.config import PagedKVConfig
 from paged_kv_compile.counting import CountingBackend
-from paged_kv_compile.driver import PagedHooks
+from paged_kv_compile.driver import PagedHooks, admit_loop
 from paged_kv_compile.models.hooks import DenseHooks, Loop
 from paged_kv_compile.ops import reference as _reference_module
 from paged_kv_compile.ops import write_attend as _write_attend_module
@@ -157,9 +157,7 @@ class OwnerRun:
         family = families.for_model(model)
         self.runtime, self.owner_id = runtime, owner_id
         if runtime is not None:
-            spec = family.spec_for(model, **loop)
-            loop = family.loop_arguments(runtime, spec, loop)
-            runtime.admit(owner_id, spec)
+            family, _, loop = admit_loop(model, runtime, owner_id, **loop)
         self.hooks = hooks or (PagedHooks(runtime, owner_id) if runtime is not None else DenseHooks())
         try:
             self.loop = Loop(family.steps(model, self.hooks, **loop), self.hooks)  # runs the loop's setup

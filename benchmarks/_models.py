@@ -15,7 +15,6 @@ from benchmarks._common import Setup, make_setup
 from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
 from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config
 from paged_kv_compile.models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel
-from paged_kv_compile.models.hooks import Forward
 from paged_kv_compile.models.hunyuan_image3 import HUNYUAN_IMAGE3_MID, HunyuanImage3Config, HunyuanImage3Model
 
 #: Tiny DreamZero: 4 layers, dim 64 (4 heads x 16), 16 tokens per frame, chunk 2 frames, window 8 frames.
@@ -63,9 +62,3 @@ def hunyuan_loop(cfg: HunyuanImage3Config, prompt_lens: Sequence[int], capacity:
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, cfg.vocab, (n,), generator=gen) for n in prompt_lens]
     return {"prompts": prompts, "prefix_capacity": capacity, "num_steps": num_steps, "seed": seed}
-
-
-def held_caches(forward: Forward, result: Any, caches: list) -> list:
-    """The dense caches a loop holds once `forward` returned `result`, `caches` before: a DreamZero commit returns
-    the grown cache, which the loop keeps; HunyuanImage-3 writes its prefix into its caches in place."""
-    return result[2] if forward.kind == "commit" else caches

@@ -41,8 +41,8 @@ from benchmarks._common import (
     storage_bytes,
     tensors_in,
 )
-from benchmarks._models import (DZ_TINY, HY_TINY, dreamzero_loop, dreamzero_setup, held_caches, hunyuan_loop,
-                                hunyuan_setup)
+from benchmarks._models import DZ_TINY, HY_TINY, dreamzero_loop, dreamzero_setup, hunyuan_loop, hunyuan_setup
+from paged_kv_compile import families
 from paged_kv_compile.allocator import BuiltinAllocator
 from paged_kv_compile.config import PagedKVConfig
 from paged_kv_compile.driver import PagedHooks
@@ -220,9 +220,6 @@ def real_sizes(budget_gib: float, sessions=(1, 2, 4, 8), requests=(1, 8, 32, 128
     one = paged_dreamzero_probe(dz, dtype, blocks_per_layer=4 * _ceil(dz.max_attention_size, REAL_BLOCK),
                                 max_sessions=1)
     held, inflight, fixed = one["session_held_bytes"], one["session_inflight_bytes"], one["scratch_pad_bytes"]
-    per_block_layers = KVPool.bytes_per_block_all_layers(PagedKVConfig(
-        num_layers=dz.num_layers, num_kv_heads=dz.num_heads, head_dim=dz.head_dim, block_size=REAL_BLOCK,
-        blocks_per_layer=1, dtype=dtype))
     dz_rows = []
     for n in sessions:
         # A pool just big enough: admission reserves every session's own peak (both rows, a commit in flight),
@@ -331,18 +328,19 @@ class _ObservedHooks(PagedHooks):
 
 class _HeldDense(DenseHooks):
     """Dense hooks that keep the caches their loop holds, for the KV-held figure: those handed out, then what a
-    forward hands back in their place (`_models.held_caches`); sampled after every forward."""
+    forward hands back in their place (`Family.dense_caches_after`); sampled after every forward."""
 
     def __init__(self, observe) -> None:
         self._observe = observe
         self.held: list = []
 
     def caches(self, model, batch, **geometry):
+        self._family = families.for_model(model)
         self.held = super().caches(model, batch, **geometry)
         return self.held
 
     def after(self, forward, result) -> None:
-        self.held = held_caches(forward, result, self.held)
+        self.held = self._family.dense_caches_after(self.held, forward.kind, result)
         self._observe()
 
 

@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "tests"):  # tests/upstream holds the CPU harness for vllm-omni's classes

@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import families
-from .capture import format_bucket, warm_up
+from .capture import warm_up
 from .capture.report import unique_graphs
 from .config import Bucket
-from .driver import PagedHooks, paged_run
+from .driver import PagedHooks, admit_loop, paged_run
 from .errors import ConfigError
 from .families.base import Demo, DemoForks, DemoLane, Family
 from .models.hooks import DenseHooks, drive
@@ -132,7 +132,8 @@ class OwnerFigures:
 
 
 class _DenseRecorder(DenseHooks):
-    """Dense hooks that keep the caches the loop holds (followed through its forwards by `Demo.caches_after`).
+    """Dense hooks that keep the caches the loop holds (followed through its forwards by
+    `Family.dense_caches_after`).
 
     copy_from: a fork's twin: the caches it is handed are a copy of its parent's, made here."""
 
@@ -198,10 +199,8 @@ class Scene:
         return self._result(fork)
 
     def lane(self, lane: DemoLane) -> None:
-        family, runtime = self.setup.family, self.runtime
-        spec = family.spec_for(self.setup.model, **lane.loop)
-        loop = family.loop_arguments(runtime, spec, dict(lane.loop))
-        runtime.admit(lane.owner_id, spec)
+        runtime = self.runtime
+        family, _, loop = admit_loop(self.setup.model, runtime, lane.owner_id, **lane.loop)
         recorders = (_DenseRecorder(), _DenseRecorder())
         self._recorders[lane.owner_id] = recorders
         self.owners[lane.owner_id] = OwnerFigures(lane.owner_id, lane.what, runtime.owner(lane.owner_id).num_rows)
@@ -247,7 +246,7 @@ class Scene:
                 results[2], dense_s, compiled = self._dense(dense_fw)
                 results[1] = oracle_fw.call()
                 for recorder, fw, result in zip((oracle_hooks, dense_hooks), (oracle_fw, dense_fw), results[1:]):
-                    recorder.held = self.demo.caches_after(recorder.held, fw.kind, result)
+                    recorder.held = self.setup.family.dense_caches_after(recorder.held, fw.kind, result)
                 self._record_parity(owner_ids, self.demo.compare_rows(results[1], results[0]))
                 self.forwards.append(TimedForward(rows, paged_s, dense_s, compiled))
                 done += 1
@@ -319,7 +318,7 @@ def _parity(setup: Setup) -> float:
     """Whole loops, dense eager vs paged (on the serving runtime): the worst max abs difference."""
     family, worst = setup.family, 0.0
     for i, loop in enumerate(setup.demo.loops):
-        loop = family.loop_arguments(setup.runtime, family.spec_for(setup.model, **loop), dict(loop))
+        _, _, loop = admit_loop(setup.model, setup.runtime, f"loop-{i}", admit=False, **loop)
         with torch.no_grad():
             hooks = DenseHooks()
             dense = drive(family.steps(setup.oracle, hooks, **loop), hooks)

@@ -16,7 +16,7 @@ import torch
 from . import families
 from .models.hooks import DenseHooks, drive
 
-__all__ = ["PagedHooks", "paged_run"]
+__all__ = ["PagedHooks", "admit_loop", "paged_run"]
 
 #: make_hooks(runtime, owner_id) -> the hooks one session/request runs with (PagedHooks or a subclass)
 HooksFactory = Callable[[Any, str], "PagedHooks"]
@@ -52,6 +52,19 @@ class PagedHooks(DenseHooks):
         self.runtime.reset(self.owner_id)
 
 
+def admit_loop(model: torch.nn.Module, runtime: Any, owner_id: str, *, admit: bool = True,
+               **loop: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """(family, spec, loop arguments) of one session/request of `model`'s loop on `runtime`, admitted unless
+    `admit=False`. The loop arguments are the family's for this runtime (`Family.loop_arguments`), derived before
+    admission: a request the runtime's buckets cannot serve is refused while it holds nothing."""
+    family = families.for_model(model)
+    spec = family.spec_for(model, **loop)
+    loop = family.loop_arguments(runtime, spec, loop)
+    if admit:
+        runtime.admit(owner_id, spec)
+    return family, spec, loop
+
+
 @torch.no_grad()
 def paged_run(model: torch.nn.Module, runtime: Any, *, owner_id: str = "owner", make_hooks: HooksFactory = PagedHooks,
               shared_kv: bool = False, cache_salt: str | bytes | None = None, **loop: Any) -> Any:
@@ -62,15 +75,10 @@ def paged_run(model: torch.nn.Module, runtime: Any, *, owner_id: str = "owner", 
     shared_kv: the loop's write-once K/V (e.g. cross-attention) live in shared regions of the pool (keyed by
     `cache_salt`, regions.py) and the compiled model reads them with `paged_kv::attend`; the owner is admitted
     when the loop has computed them."""
-    family = families.for_model(model)
-    spec = family.spec_for(model, **loop)
-    # Before admission: a request the runtime's buckets cannot serve is refused while it holds nothing.
-    loop = family.loop_arguments(runtime, spec, loop)
+    family, spec, loop = admit_loop(model, runtime, owner_id, admit=not shared_kv, **loop)
     hooks = make_hooks(runtime, owner_id)
     if shared_kv:
         hooks.admit_with = {"spec": spec, "cache_salt": cache_salt}
-    else:
-        runtime.admit(owner_id, spec)
     try:
         out = drive(family.steps(model, hooks, **loop), hooks)
     except BaseException:

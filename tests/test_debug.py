@@ -7,7 +7,6 @@ import os
 
 import depyf
 import pytest
-import torch
 
 from paged_kv_compile import debug
 from paged_kv_compile.driver import paged_run

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -17,7 +17,6 @@ import paged_kv_compile  # noqa: F401  (registers torch.ops.paged_kv)
 from paged_kv_compile.config import PagedKVConfig
 from paged_kv_compile.errors import ConfigError, OpInputError
 from paged_kv_compile.ops import reference
-from paged_kv_compile.ops.fp8 import quantize
 from paged_kv_compile.pool import KVPool
 
 from _opcases import dense_oracle, expected_fp8_pool, fp8_case, make_case

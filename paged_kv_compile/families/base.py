@@ -240,6 +240,11 @@ class Family(abc.ABC):
     def steps(self, model: torch.nn.Module, hooks: Any, **loop: Any) -> Any:
         """The model's generation loop as a step generator (`models/hooks.py`: yields a `Forward` per forward)."""
 
+    def dense_caches_after(self, caches: Any, kind: str, result: Any) -> Any:
+        """The dense caches the model's loop holds after a forward of `kind` returned `result`, `caches` before.
+        Default: the same (caches written in place); a family whose model returns grown caches says which."""
+        return caches
+
     def loop_arguments(self, runtime: Any, spec: Any, loop: dict[str, Any]) -> dict[str, Any]:
         """The loop arguments a paged run uses on `runtime` (e.g. a padded capacity its buckets serve); called
         before admission, so a request no bucket can serve is refused while it holds nothing."""
@@ -311,8 +316,7 @@ class Demo:
     loops: keyword arguments of whole loops (`driver.paged_run` / `Family.steps`), one owner each: the parity
     oracle, dense eager vs paged; `compare(dense_result, paged_result)` is their max abs difference.
     `compare_rows(dense, paged)` is the same per row for one forward's result (what the loop reads of it).
-    `caches_after(caches, kind, result)` is what a dense loop holds after a forward (a functional cache is
-    replaced by the result, an in-place one stays); `dense_kv_bytes(caches)` is what they reserve, per row.
+    `dense_kv_bytes(caches)` is what a dense loop's caches (`Family.dense_caches_after`) reserve, per row.
     """
 
     describe: str  # the model, in words
@@ -323,7 +327,6 @@ class Demo:
     dense_baseline: str  # what the dense caches of the scene are, in one line (what a dense system reserves)
     compare: Callable[[Any, Any], float]
     compare_rows: Callable[[Any, Any], torch.Tensor]
-    caches_after: Callable[[Any, str, Any], Any]
     dense_kv_bytes: Callable[[Any], list[int]]
     lanes: list[DemoLane] = field(default_factory=list)
     forks: DemoForks | None = None

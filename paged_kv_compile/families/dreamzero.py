@@ -365,6 +365,10 @@ class DreamZeroFamily(Family):
     def spec_for(self, model: torch.nn.Module, **loop: Any) -> DreamZeroSpec:
         return DreamZeroSpec.from_model_config(model.cfg)
 
+    def dense_caches_after(self, caches: Any, kind: str, result: Any) -> Any:
+        """A commit returns the grown (windowed) caches, which the loop keeps; a denoising step keeps the old ones."""
+        return result[2] if kind == "commit" else caches
+
     def steps(self, model: torch.nn.Module, hooks: Any, **loop: Any):
         """`models.dreamzero.dreamzero_steps` (num_chunks=, num_inference_steps=, seed=, ...)."""
         return dreamzero_steps(model, hooks=hooks, **loop)
@@ -487,7 +491,6 @@ def _demo(size: str, *, short: bool, device: str, **runtime_options: Any) -> Dem
         compare=lambda dense, paged: max((dense[key].float() - paged[key].float()).abs().max().item()
                                          for key in ("video", "actions")),
         compare_rows=_demo_compare_rows,
-        caches_after=lambda caches, kind, result: result[2] if kind == "commit" else caches,
         dense_kv_bytes=_demo_dense_kv_bytes,
         lanes=lanes,
         forks=forks,

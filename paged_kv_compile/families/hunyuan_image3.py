@@ -397,7 +397,6 @@ def _demo(size: str, *, short: bool, device: str, **runtime_options: Any) -> Dem
         compare=lambda dense, paged: (dense.float() - paged.float()).abs().max().item(),
         # what the loop reads of a forward: the target span's hidden states
         compare_rows=lambda dense, paged: (dense[:, -T:].float() - paged[:, -T:].float()).abs().flatten(1).amax(1),
-        caches_after=lambda caches, kind, result: caches,  # preallocated, written in place
         dense_kv_bytes=_demo_dense_kv_bytes,
         lanes=lanes,
         info={"size": size, "requests": len(loops), "steps": steps},

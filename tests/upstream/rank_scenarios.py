@@ -19,7 +19,7 @@ from paged_kv_compile.families.dreamzero import DreamZeroSpec
 
 from . import vllm_omni_cpu as omni_cpu
 from .dreamzero_pipeline import PagedKV, local_branches
-from .hunyuan_pipeline import LAYERS, request_inputs
+from .hunyuan_pipeline import LAYERS
 from .multirank import load_full_weights, rank_info
 
 START_FRAME_IS_A_VALUE = "L['current_start_frame']"  # as test_dreamzero_vllm_omni.py: one frame per bucket
