@@ -52,7 +52,8 @@ def _tencent_captured(req, options):
     hidden, kwargs = {}, {}
     rt.admit("plan", HunyuanSpec.from_prefill_mask(req["mask"], req["scatter"][:, -1].tolist(), T))
     for phase, tokens in (("prefill", S), ("step", T)):  # nothing runs: the plans only name the buckets
-        with rt.forward("plan", phase, prefix_capacity=S, attention_mask=phases[phase]["attention_mask"]) as active:
+        plan = rt.plan("plan", phase, prefix_capacity=S, attention_mask=phases[phase]["attention_mask"])
+        with rt.forward_plan(plan, expect_attention=False) as active:
             hidden[active.bucket] = torch.zeros(B, tokens, hidden_size)
             kwargs[active.bucket] = phases[phase]
     rt.release("plan")
@@ -142,7 +143,7 @@ def test_the_rolling_cache_history_count_is_checked_on_the_captured_path():
     compiled[0].compile(backend=CountingBackend({"inner_compiler": "aot_eager", "strict": True}), fullgraph=True,
                         dynamic=False)
     n, size = BLOCK_FRAMES * FRAME, WINDOW_FRAMES * FRAME
-    with rt.forward("s", "denoise") as active:
+    with rt.forward_plan(rt.plan("s", "denoise"), expect_attention=False) as active:  # names the bucket only
         bucket = active.bucket
     captured = CapturedBlocks(compiled, rt, lambda b: ((torch.zeros(1, n, 32), kv[0], kv[1], 16, False), {}),
                               buckets=[bucket], fallback="eager", graphs=CompiledOnlyGraphs())
@@ -178,7 +179,7 @@ def test_a_block_that_changes_its_cache_dict_is_refused_at_warm_up():
     blocks[0].compile(backend=CountingBackend({"inner_compiler": "aot_eager", "strict": True}), fullgraph=True,
                       dynamic=False)
     kv = rt.standin(2, 1, WINDOW_FRAMES * FRAME, 2, 16, writable=True)
-    with rt.forward("s", "denoise") as active:
+    with rt.forward_plan(rt.plan("s", "denoise"), expect_attention=False) as active:  # names the bucket only
         bucket = active.bucket
     cache = {"k": kv[0], "v": kv[1], "local_end_index": 16, "new_block": True}  # a new block: 16 -> 24
     captured = CapturedBlocks(blocks, rt, lambda b: ((torch.zeros(1, BLOCK_FRAMES * FRAME, 32), cache, 0), {}),
