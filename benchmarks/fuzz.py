@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._fuzz_mutants import mutant  # noqa: E402
 from benchmarks._fuzz_world import (  # noqa: E402
     ENCODINGS,
     STYLES,
@@ -95,6 +96,10 @@ FP8_ATOL = 1e-2
 FINISHED_MEMORY = 3
 FP8 = torch.float8_e4m3fn
 WEIGHT_SEED = 7
+#: the LRU cap on live DreamZero sessions: above what the pool's reservations admit of 2-row sessions (two), at
+#: what they admit of 1-row ones (four), so admissions are refused for capacity and the least recently used session
+#: is evicted, both
+MAX_SESSIONS = 4
 
 #: DreamZero: 2 layers, 2 heads x 8, frames of 4 tokens in blocks of 2, chunk 1 frame, window 3 frames with a 1-frame
 #: sink, 2 action registers, 3 cross-attention tokens (2 blocks, the last one half used).
@@ -229,7 +234,7 @@ def runtime_config(family: str, fp8: bool):
     common = dict(kernel="reference", inner_compiler="aot_eager", kv_dtype=FP8 if fp8 else None)
     if family == "dreamzero":
         # pool for two 2-row sessions (or four 1-row ones) and three distinct cross-attention regions; forwards of up
-        # to 4 rows. The LRU cap (Path: max_sessions=3) evicts the least recently used session past three.
+        # to 4 rows. The LRU cap (MAX_SESSIONS) evicts the least recently used session past four.
         return dreamzero_runtime_config(DZ_CFG, block_size=DZ_BLOCK, sessions=2, rows=2, cross_regions=DZ_CONTENTS,
                                         max_rows=max(DZ_ROWS), buckets=dreamzero_buckets(DZ_CFG, rows=DZ_ROWS),
                                         **common)
@@ -251,7 +256,7 @@ class Path:
     def __init__(self, h: Harness) -> None:
         self.h = h
         self.model = h.models[self.name]
-        self.runtime = PagedKVRuntime(runtime_config(h.family, h.fp8), max_sessions=3)
+        self.runtime = PagedKVRuntime(runtime_config(h.family, h.fp8), max_sessions=MAX_SESSIONS)
         self.runtime.scheduler.FINISHED_MEMORY = FINISHED_MEMORY
         self.runtime.bind(h.inner_blocks(self.name))
         for block in h.outer_blocks(self.name):
@@ -366,13 +371,17 @@ class Fuzzer:
 
     # ---- running ------------------------------------------------------------------------------------------
     def __enter__(self) -> "Fuzzer":
+        # Every (bucket, argument kind) of both paths' models, of every harness of the process, is one graph of the
+        # blocks' one code object: past dynamo's default limit of 8 it would run them eagerly (on empty stand-ins).
+        self._limits = torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096)
+        self._limits.__enter__()
         self.paths = [PATHS[name](self.h) for name in self.path_names]
-        self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         for path in self.paths:
             path.close()
+        self._limits.__exit__(*exc)
 
     def run(self, steps: int) -> Stats:
         """Draw and execute `steps` operations; raises FuzzFailure at the first one that fails."""
@@ -594,8 +603,9 @@ class Fuzzer:
                 op["keys"] = (None if rng.random() < 0.5 else
                               [f"p{(c + (rng.random() < 0.2)) % DZ_CONTENTS}" for c in op["contents"]])
             return op
-        if what == "fork":
-            return {"op": "fork", "parent": self._some_id(), "child": self.new_id()}
+        if what == "fork":  # with a budget of n commits sometimes (it reserves only what they take)
+            return {"op": "fork", "parent": self._some_id(), "child": self.new_id(),
+                    "commits": rng.choice((None, None, 1, 2))}
         if what in ("reset", "release", "abort"):
             return {"op": what, "id": self._some_id()}
         if what == "set_scales":
@@ -715,7 +725,8 @@ class Fuzzer:
         parent, child = op["parent"], op["child"]
         if child in self.finished:
             self.stats.id_reuse += 1
-        if self.on_paths(lambda p: p.runtime.fork(parent, child)) is None:
+        budget = {} if op.get("commits") is None else {"commits": op["commits"]}
+        if self.on_paths(lambda p: p.runtime.fork(parent, child, **budget)) is None:
             return
         self._track_evictions()
         self.twins[child] = self.twins[parent].fork(self._incarnation())
@@ -963,6 +974,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true", help="also run every family on an FP8 pool (with set_scales)")
     ap.add_argument("--shrink", action="store_true", help="bisect a failing operation list before printing it")
     ap.add_argument("--replay", type=Path, help="a JSON file {family, fp8, ops} to run instead of drawing")
+    ap.add_argument("--mutant", type=int, choices=range(1, 7), metavar="1..6",
+                    help="put issue 23's defect N back (benchmarks/_fuzz_mutants.py) and report where it is found")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -978,14 +991,17 @@ def main(argv: list[str] | None = None) -> int:
         fuzzer = Fuzzer(family, args.seed, fp8=fp8)
         t0 = time.perf_counter()
         try:
-            fuzzer.run(args.steps)
+            with mutant(args.mutant) if args.mutant else contextlib.nullcontext():
+                fuzzer.run(args.steps)
         except FuzzFailure as e:
             ops = fuzzer.ops[: e.index + 1]
-            print(f"FAIL {family}{' fp8' if fp8 else ''} seed={args.seed}: {e}")
+            label = f"{family}{' fp8' if fp8 else ''} seed={args.seed}" + (f" mutant {args.mutant}" if args.mutant else "")
+            print(f"FAIL {label} after {e.index + 1} operations ({time.perf_counter() - t0:.1f} s): {e}")
             if args.shrink:
-                ops = shrink(family, ops, fp8, e.kind)
+                with mutant(args.mutant) if args.mutant else contextlib.nullcontext():
+                    ops = shrink(family, ops, fp8, e.kind)
                 print(f"shrunk to {len(ops)} operations")
-            print(json.dumps({"family": family, "fp8": fp8, "ops": ops}))
+            print(json.dumps({"family": family, "fp8": fp8, "mutant": args.mutant, "ops": ops}))
             return 1
         row = fuzzer.stats.as_dict()
         row.update(family=family, fp8=fp8, seed=args.seed, seconds=round(time.perf_counter() - t0, 1),
