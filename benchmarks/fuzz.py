@@ -25,7 +25,8 @@ were. After every operation: each block's refcount equals its holders (rows and 
 live owners are the twins, serials are unique; every metadata repeat key names one owner for the runtime's life;
 an admitted DreamZero session's commit never waits for capacity (admission reserves).
 
-    python -m benchmarks.fuzz --steps 2000 --seed 0 --family all [--fp8] [--shrink]
+    python -m benchmarks.fuzz --steps 2000 [--seed 0] [--seeds 1] [--family all] [--pool all] [--shrink]
+    python -m benchmarks.fuzz --mutant 5 --family dreamzero --pool fp32 --seeds 10   # defect 5 put back
 
 A failure prints the seed, the failing operation (its index) and the operation list (bisected to a shorter list
 that still fails with --shrink); `--replay FILE` runs a saved operation list.
@@ -142,11 +143,13 @@ class Stats:
     id_reuse: int = 0
     set_scales: int = 0
     worst: float = 0.0  # largest |paged - dense| seen
-    kinds: Counter = field(default_factory=Counter)
+    kinds: Counter = field(default_factory=Counter)  # operations drawn, by kind
+    refused_by: Counter = field(default_factory=Counter)  # refusals by error type
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["kinds"] = dict(self.kinds)
+        d["refused_by"] = dict(self.refused_by)
         return d
 
 
@@ -443,6 +446,7 @@ class Fuzzer:
                     raise self.fail("leaked state", f"{path.name}: a refused call ({type(e).__name__}: {e}) "
                                                     f"changed the runtime: {why}") from None
                 self.stats.refusals += 1
+                self.stats.refused_by[type(e).__name__] += 1
                 endings.append(f"refused {type(e).__name__}")
                 details.append(f"refused ({type(e).__name__}: {e})")
             except FuzzFailure:
@@ -639,7 +643,7 @@ class Fuzzer:
             what = "admit"
         else:
             what = self._pick([("admit", 15), ("prefill", 22), ("step", 30 if prefilled else 3),
-                               ("batch", 8), ("reset", self.weights.get("hy_reset", 0)), ("release", 6),
+                               ("batch", 8), ("reset", 4), ("release", 6),
                                ("abort", 4), ("fork", 2), ("set_scales", 3 if self.fp8 else 0)])
         rng = self.rng
         if what == "admit":
@@ -956,66 +960,79 @@ def shrink(family: str, ops: list[dict], fp8: bool, kind: str, budget: int = 80)
     return ops
 
 
-def run(family: str, steps: int, seed: int = 0, *, fp8: bool = False, weights: dict | None = None) -> dict:
-    fuzzer = Fuzzer(family, seed, fp8=fp8, weights=weights)
-    t0 = time.perf_counter()
-    fuzzer.run(steps)
-    out = fuzzer.stats.as_dict()
-    out.update(family=family, fp8=fp8, seed=seed, seconds=round(time.perf_counter() - t0, 1),
-               graphs=fuzzer.h.backend.frames, wrong=0)
-    return out
+def _label(family: str, fp8: bool) -> str:
+    return family + (" fp8" if fp8 else "")
+
+
+def _summary(row: dict) -> str:
+    return (f"{_label(row['family'], row['fp8'])} seed={row['seed']}: steps={row['steps']} forwards={row['forwards']} "
+            f"compared={row['compared']} refusals={row['refusals']} faults={row['faults']} retries={row['retries']} "
+            f"batched={row['batched']} forks={row['forks']} evictions={row['evictions']} id_reuse={row['id_reuse']} "
+            f"set_scales={row['set_scales']} worst={row['worst']:.2g} wrong=0 time={row['seconds']} s")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=2000, help="operations per family (and pool dtype)")
+    ap.add_argument("--steps", type=int, default=2000, help="operations per family, pool dtype and seed")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=1, help="run seeds seed .. seed+N-1")
     ap.add_argument("--family", choices=[*FAMILIES, "all"], default="all")
-    ap.add_argument("--fp8", action="store_true", help="also run every family on an FP8 pool (with set_scales)")
+    ap.add_argument("--pool", choices=["fp32", "fp8", "all"], default="all",
+                    help="the pool's storage: fp32, FP8 e4m3 (set_scales drawn too), or both (each family twice)")
     ap.add_argument("--shrink", action="store_true", help="bisect a failing operation list before printing it")
-    ap.add_argument("--replay", type=Path, help="a JSON file {family, fp8, ops} to run instead of drawing")
+    ap.add_argument("--replay", type=Path, help="a JSON file {family, fp8, ops[, mutant]} to run instead of drawing")
     ap.add_argument("--mutant", type=int, choices=range(1, 7), metavar="1..6",
-                    help="put issue 23's defect N back (benchmarks/_fuzz_mutants.py) and report where it is found")
+                    help="put issue 23's defect N back (benchmarks/_fuzz_mutants.py): report after how many "
+                         "operations each seed finds it")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    torch.manual_seed(0)
+    torch.set_num_threads(1)  # tiny models: one intra-op thread is as fast, and far steadier on a shared machine
+    put_back = (lambda: mutant(args.mutant)) if args.mutant else contextlib.nullcontext
     if args.replay:
         saved = json.loads(args.replay.read_text())
-        Fuzzer(saved["family"], fp8=saved["fp8"]).replay(saved["ops"])
+        with mutant(saved["mutant"]) if saved.get("mutant") else contextlib.nullcontext():
+            Fuzzer(saved["family"], fp8=saved["fp8"]).replay(saved["ops"])
         print("replay: no failure")
         return 0
     families = FAMILIES if args.family == "all" else (args.family,)
-    runs = [(f, False) for f in families] + ([(f, True) for f in families] if args.fp8 else [])
-    results = []
+    pools = {"fp32": (False,), "fp8": (True,), "all": (False, True)}[args.pool]
+    runs = [(f, fp8) for fp8 in pools for f in families]
+    results, failed = [], False
     for family, fp8 in runs:
-        fuzzer = Fuzzer(family, args.seed, fp8=fp8)
-        t0 = time.perf_counter()
-        try:
-            with mutant(args.mutant) if args.mutant else contextlib.nullcontext():
-                fuzzer.run(args.steps)
-        except FuzzFailure as e:
-            ops = fuzzer.ops[: e.index + 1]
-            label = f"{family}{' fp8' if fp8 else ''} seed={args.seed}" + (f" mutant {args.mutant}" if args.mutant else "")
-            print(f"FAIL {label} after {e.index + 1} operations ({time.perf_counter() - t0:.1f} s): {e}")
-            if args.shrink:
-                with mutant(args.mutant) if args.mutant else contextlib.nullcontext():
+        for seed in range(args.seed, args.seed + args.seeds):
+            fuzzer = Fuzzer(family, seed, fp8=fp8)
+            t0 = time.perf_counter()
+            try:
+                with put_back():
+                    fuzzer.run(args.steps)
+            except FuzzFailure as e:
+                seconds = round(time.perf_counter() - t0, 1)
+                ops = fuzzer.ops[: e.index + 1]
+                row = {"family": family, "fp8": fp8, "seed": seed, "found_after": e.index + 1, "kind": e.kind,
+                       "op": e.op["op"], "seconds": seconds}
+                results.append(row)
+                if args.mutant:
+                    print(f"mutant {args.mutant}: {_label(family, fp8)} seed={seed}: found after {e.index + 1} "
+                          f"operations ({seconds} s): {e.kind} at a {e.op['op']}", flush=True)
+                    continue
+                failed = True
+                print(f"FAIL {_label(family, fp8)} seed={seed} after {e.index + 1} operations ({seconds} s): {e}")
+                if args.shrink:
                     ops = shrink(family, ops, fp8, e.kind)
-                print(f"shrunk to {len(ops)} operations")
-            print(json.dumps({"family": family, "fp8": fp8, "mutant": args.mutant, "ops": ops}))
-            return 1
-        row = fuzzer.stats.as_dict()
-        row.update(family=family, fp8=fp8, seed=args.seed, seconds=round(time.perf_counter() - t0, 1),
-                   graphs=fuzzer.h.backend.frames, wrong=0)
-        results.append(row)
-        if not args.json:
-            print(f"{family}{' fp8' if fp8 else ''}: steps={row['steps']} forwards={row['forwards']} "
-                  f"compared={row['compared']} refusals={row['refusals']} faults={row['faults']} "
-                  f"retries={row['retries']} batched={row['batched']} forks={row['forks']} "
-                  f"evictions={row['evictions']} id_reuse={row['id_reuse']} set_scales={row['set_scales']} "
-                  f"worst={row['worst']:.2g} graphs={row['graphs']} wrong=0 time={row['seconds']} s", flush=True)
+                    print(f"shrunk to {len(ops)} operations")
+                print(json.dumps({"family": family, "fp8": fp8, "ops": ops}), flush=True)
+                continue
+            row = fuzzer.stats.as_dict()
+            row.update(family=family, fp8=fp8, seed=seed, seconds=round(time.perf_counter() - t0, 1), wrong=0)
+            results.append(row)
+            if args.mutant:
+                print(f"mutant {args.mutant}: {_label(family, fp8)} seed={seed}: NOT found in {args.steps} operations",
+                      flush=True)
+            elif not args.json:
+                print(_summary(row), flush=True)
     if args.json:
         print(json.dumps(results, indent=2))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
