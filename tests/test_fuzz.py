@@ -77,3 +77,70 @@ def test_the_fuzzers_reset_case_replays_clean():
     ]
     stats = Fuzzer("hunyuan_image3").replay(ops)
     assert stats.compared >= 2
+
+
+# ---- short runs: nothing found, every operation covered ------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,fp8", [("dreamzero", False), ("hunyuan_image3", False), ("dreamzero", True),
+                                        ("hunyuan_image3", True)],
+                         ids=["dreamzero", "hunyuan_image3", "dreamzero-fp8", "hunyuan_image3-fp8"])
+def test_a_short_run_compares_every_forward_and_finds_nothing(family, fp8):
+    fuzzer = Fuzzer(family, seed=0, fp8=fp8)
+    graphs = fuzzer.h.backend.frames
+    stats = fuzzer.run(STEPS)  # raises FuzzFailure naming the operation if anything is wrong
+    kinds = stats.kinds
+    assert stats.steps == STEPS and stats.forwards >= STEPS // 4
+    assert stats.compared >= stats.forwards, "every forward's outputs were compared with dense"
+    assert stats.refusals >= STEPS // 20 and stats.faults >= 2 and stats.retries >= 1, stats
+    assert stats.batched >= 3 and stats.id_reuse >= 2 and kinds["admit"] and kinds["release"] and kinds["abort"], stats
+    assert kinds["reset"] and kinds["fork"], stats
+    if family == "dreamzero":
+        assert stats.forks >= 2 and stats.evictions >= 1, stats
+    else:
+        assert stats.refused_by["AmbiguousMaskValue"] >= 1, "a mask encoding the op cannot express was refused"
+    if fp8:
+        assert stats.set_scales >= 2 and stats.refused_by["ConfigError"] >= 1, "set_scales refused while held"
+    assert stats.worst <= (fuzz.FP8_ATOL if fp8 else fuzz.ATOL) + fuzz.BATCH_INVARIANCE
+    # compile hygiene: one graph per (path, bucket, argument kind) at most; no recompiles while serving
+    assert fuzzer.h.backend.frames - graphs <= len(fuzzer.signatures), (fuzzer.h.backend.frames - graphs,
+                                                                        sorted(map(str, fuzzer.signatures)))
+
+
+# ---- issue 23's defects put back: each is found -----------------------------------------------------------------
+
+#: defect -> (family, FP8 pool, seed, at most this many operations, what the fuzzer reports). The seeds find the
+#: defect early (docs/reliability.md lists after how many operations seeds 0-9 find each).
+FOUND = {
+    1: ("hunyuan_image3", False, 2, 300, "wrong answer"),
+    3: ("hunyuan_image3", False, 4, 400, "wrong answer"),
+    4: ("dreamzero", True, 3, 200, "wrong answer"),
+    5: ("dreamzero", False, 2, 400, "deadlock"),
+    6: ("dreamzero", False, 1, 300, "leaked state"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(FOUND))
+def test_the_fuzzer_finds_each_defect_put_back(defect):
+    family, fp8, seed, bound, kind = FOUND[defect]
+    fuzzer = Fuzzer(family, seed, fp8=fp8)
+    with mutant(defect), pytest.raises(FuzzFailure) as found:
+        fuzzer.run(bound)
+    failure = found.value
+    assert failure.kind == kind, failure
+    assert failure.op == fuzzer.ops[failure.index] and f"at operation {failure.index} " in str(failure)
+    # the same operations on the fixed code find nothing: what was found is the defect
+    Fuzzer(family, fp8=fp8).replay(fuzzer.ops[: failure.index + 1])
+
+
+def test_a_failing_operation_list_shrinks_and_still_fails():
+    family, fp8, seed, bound, kind = FOUND[4]
+    fuzzer = Fuzzer(family, seed, fp8=fp8)
+    with mutant(4):
+        with pytest.raises(FuzzFailure) as found:
+            fuzzer.run(bound)
+        ops = fuzzer.ops[: found.value.index + 1]
+        short = fuzz.shrink(family, ops, fp8, kind)
+        assert len(short) < len(ops)
+        assert fuzz.fails(family, short, fp8, kind) is not None
+    assert fuzz.fails(family, short, fp8, None) is None, "and passes on the fixed code"
