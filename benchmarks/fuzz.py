@@ -270,11 +270,56 @@ class Path:
     def call_block(self, index: int, args: tuple, kwargs: dict):
         return self.h.inner_blocks(self.name)[index](*args, **kwargs)
 
+    def warmed(self) -> list[tuple]:
+        """(path, bucket, argument kind) of what was compiled before the run (nothing: compiled on first use)."""
+        return []
+
     def close(self) -> None:
         self.runtime.close()
 
 
-PATHS: dict[str, type[Path]] = {"compiled": Path}
+class CapturedPath(Path):
+    """The blocks warmed up and captured per bucket (`capture.CapturedBlocks`) with `CompiledOnlyGraphs`, whose
+    replay calls only the inner compiled graphs on the static buffers: no dynamo guards, no compiled function's
+    Python, no model code, as a CUDA graph. Only the captured path's own host checks (recorded at capture, run
+    before every replay) guard it. A captured call must match what was warmed up, so each argument kind (DreamZero:
+    cross-attention K/V from shared regions or dense; HunyuanImage-3: a boolean or an additive mask) has its own
+    `CapturedBlocks` over the same blocks, every configured bucket warmed up."""
+
+    name = "captured"
+    VARIANTS = {"dreamzero": ("region", "dense"), "hunyuan_image3": ("bool", "float")}
+
+    def __init__(self, h: Harness) -> None:
+        super().__init__(h)
+        from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
+
+        self.captured = {}
+        for variant in self.VARIANTS[h.family]:
+            captured = CapturedBlocks(h.inner_blocks(self.name), self.runtime,
+                                      lambda bucket, variant=variant: self._example_inputs(variant, bucket),
+                                      graphs=CompiledOnlyGraphs(), capture=True)
+            captured.warmup(progress=False)
+            self.captured[variant] = captured
+
+    def warmed(self) -> list[tuple]:
+        return [(self.name, bucket, variant) for variant, c in self.captured.items() for bucket in c.warmed_buckets]
+
+    def _example_inputs(self, variant: str, bucket: Bucket) -> tuple[tuple, dict]:
+        if self.h.family == "dreamzero":
+            args, kwargs = dreamzero_block_inputs(self.model, self.runtime, bucket)  # a region stand-in (config)
+            if variant == "dense":
+                args = (*args[:-1], torch.zeros(args[-1].shape))
+            return args, kwargs
+        args, kwargs = hunyuan_layer_inputs(self.model, self.runtime, bucket)  # a boolean mask
+        if variant == "float":
+            args = (*args[:3], torch.where(args[3], 0.0, float("-inf")), *args[4:])
+        return args, kwargs
+
+    def call_block(self, index: int, args: tuple, kwargs: dict):
+        return self.captured[self.variant].call(index, *args, **kwargs)
+
+
+PATHS: dict[str, type[Path]] = {"compiled": Path, "captured": CapturedPath}
 
 
 # ---- snapshots and invariants ---------------------------------------------------------------------------------
@@ -386,6 +431,8 @@ class Fuzzer:
         self._threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tiny models: one intra-op thread is as fast, and far steadier on a shared machine
         self.paths = [PATHS[name](self.h) for name in self.path_names]
+        for path in self.paths:
+            self.signatures.update(path.warmed())
         return self
 
     def __exit__(self, *exc) -> None:
