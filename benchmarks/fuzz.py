@@ -177,6 +177,14 @@ class FuzzBlock(torch.nn.Module):
         self.inner = inner
         self.path: "Path | None" = None
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # the model and its family read a block's submodules (block.self_attn)
+            if name.startswith("__") or "_modules" not in self.__dict__:
+                raise
+            return getattr(self._modules["inner"], name)
+
     def forward(self, *args, **kwargs):
         out = self.path.call_block(self.index, args, kwargs)
         if self.path.fault == self.index:
