@@ -263,6 +263,7 @@ ENCODINGS = {
     "-0.0-attends": (float("-inf"), -0.0, True),
     "bias-5": (-5.0, 0.0, False),
     "bias-1e3": (-1e3, 0.0, False),
+    "nan": (float("nan"), 0.0, False),
 }
 VALID_ENCODINGS = tuple(name for name, (_, _, ok) in ENCODINGS.items() if ok)
 

@@ -418,9 +418,10 @@ class Fuzzer:
         if what == "set_scales":
             return self._scales_op()
         kind = "commit" if rng.random() < 0.4 else "denoise"
-        if what == "batch":
+        if what == "batch":  # several owners (sessions, forks) at one phase, now and then one CFG branch of one
             owners = rng.sample(self._live(), min(len(self.twins), rng.choice((2, 2, 3))))
-            items = [[oid, kind, None] for oid in owners]
+            items = [[oid, kind, rng.randrange(2) if len(self.twins[oid].rows) == 2 and rng.random() < 0.15 else None]
+                     for oid in owners]
         else:
             oid = self._some_id() if what == "forward" else rng.choice(self._live())
             twin = self.twins.get(oid)
