@@ -23,7 +23,8 @@ forwards: 1e-5 plus the batch-invariance bound, 1e-6). Every refusal (a `PagedKV
 must leave `runtime.state()`, the pool bytes of every block a live owner holds and the FP8 scales exactly as they
 were. After every operation: each block's refcount equals its holders (rows and regions), nothing is in flight,
 live owners are the twins, serials are unique; every metadata repeat key names one owner for the runtime's life;
-an admitted DreamZero session's commit never waits for capacity (admission reserves).
+no forward of admitted owners waits for capacity (admission reserves what their forwards take: DreamZero's commits,
+a HunyuanImage-3 prefill after a reset).
 
     python -m benchmarks.fuzz --steps 2000 [--seed 0] [--seeds 1] [--family all] [--pool all] [--shrink]
     python -m benchmarks.fuzz --mutant 5 --family dreamzero --pool fp32 --seeds 10   # defect 5 put back
@@ -213,12 +214,13 @@ class Fuzzer:
         return FuzzFailure(kind, self.index, self.ops[self.index], detail)
 
     # ---- calls on every path ------------------------------------------------------------------------------
-    def on_paths(self, call: Callable[[ServingPath], Any], *, commit: bool = False, fault: bool = False,
+    def on_paths(self, call: Callable[[ServingPath], Any], *, forward: bool = False, fault: bool = False,
                  rewrites: Callable[[PagedKVRuntime], dict[int, int]] | None = None) -> list | None:
         """Run `call(path)` on every path. A refusal (PagedKVError) or an injected fault must leave the path's
         state, held pool bytes and scales unchanged (except the slots `rewrites(runtime)` names, `Snapshot.of`: what
         the forward writes in place, checked by the forwards' comparisons with dense instead); every path must end
-        the same way. Returns each path's result, or None when the call was refused or faulted (on every path)."""
+        the same way; a `forward` of admitted owners refused for capacity is a deadlock. Returns each path's result,
+        or None when the call was refused or faulted (on every path)."""
         results, endings, details = [], [], []
         for path in self.paths:
             before = Snapshot.of(path.runtime, rewrites(path.runtime) if rewrites else None)
@@ -236,9 +238,9 @@ class Fuzzer:
                 endings.append("fault")
                 details.append("faulted")
             except PagedKVError as e:
-                if commit and isinstance(e, CapacityError):
-                    raise self.fail("deadlock", f"{path.name}: the commit of an admitted session waited for "
-                                                f"capacity ({e}); admission must reserve what it holds") from None
+                if forward and isinstance(e, CapacityError):
+                    raise self.fail("deadlock", f"{path.name}: a forward of admitted owners waited for capacity "
+                                                f"({e}); admission must reserve what they take") from None
                 why = before.changed(path.runtime)
                 if why:
                     raise self.fail("leaked state", f"{path.name}: a refused call ({type(e).__name__}: {e}) "
@@ -627,7 +629,7 @@ class Fuzzer:
                                                        update_kv_cache=commit)
             return video, action, plans
 
-        results = self.on_paths(call, commit=commit, fault=op["fault"] is not None)
+        results = self.on_paths(call, forward=True, fault=op["fault"] is not None)
         if results is None:
             return
         self.stats.forwards += 1
@@ -704,7 +706,7 @@ class Fuzzer:
                         out[b] = 0 if k == "prefill" else max(0, min(HY_BLOCK, len(prompt) - i * HY_BLOCK))
             return out
 
-        results = self.on_paths(call, fault=op["fault"] is not None, rewrites=rewrites)
+        results = self.on_paths(call, forward=True, fault=op["fault"] is not None, rewrites=rewrites)
         if results is None:
             return
         self.stats.forwards += 1
