@@ -111,12 +111,12 @@ def test_a_short_run_compares_every_forward_and_finds_nothing(family, fp8):
 #: defect -> (family, FP8 pool, seed, at most this many operations, what the fuzzer reports). The seeds find the
 #: defect early (docs/reliability.md lists after how many operations seeds 0-9 find each).
 FOUND = {
-    1: ("hunyuan_image3", False, 2, 300, "wrong answer"),
-    2: ("dreamzero", False, 1, 200, "divergence"),
-    3: ("hunyuan_image3", False, 4, 400, "wrong answer"),
-    4: ("dreamzero", True, 3, 200, "wrong answer"),
-    5: ("dreamzero", False, 2, 400, "deadlock"),
-    6: ("dreamzero", False, 1, 300, "leaked state"),
+    1: ("hunyuan_image3", False, 2, 300, "wrong answer"),  # found after 30 operations
+    2: ("dreamzero", False, 1, 200, "divergence"),  # 8
+    3: ("hunyuan_image3", False, 4, 400, "wrong answer"),  # 172
+    4: ("dreamzero", True, 3, 200, "wrong answer"),  # 15
+    5: ("dreamzero", False, 7, 400, "deadlock"),  # 158
+    6: ("dreamzero", False, 4, 300, "leaked state"),  # 124
 }
 
 
