@@ -94,6 +94,7 @@ BATCH_INVARIANCE = 1e-6  # tests/test_batched.py: an owner's output in a batch e
 #: 4: 100x) or another owner's K/V move them by O(1). Measured worst over the long runs: docs/reliability.md.
 FP8_ATOL = 1e-2
 
+
 class FuzzFailure(AssertionError):
     """What the fuzzer found: kind is "wrong answer", "leaked state", "deadlock", "divergence" or "crash"."""
 
@@ -157,12 +158,11 @@ class Fuzzer:
         #: (path, bucket, argument kind) of every forward that reached the model: the graphs a run may compile
         self.signatures: set[tuple] = set()
         self.oracle = self.h.oracle
-        if family == "dreamzero":
-            self._contexts = {c: torch.randn(1, DZ_CFG.text_len, DZ_CFG.text_dim,
-                                             generator=torch.Generator().manual_seed(1000 + c))
-                              for c in range(DZ_CONTENTS)}
+        if family == "dreamzero":  # the cross-attention K/V of each prompt, per layer (2, 1, Lt, H, D)
             with torch.no_grad():
-                self._cross = {c: self.h.dense.prepare_cross_kv(ctx) for c, ctx in self._contexts.items()}
+                self._cross = {c: self.h.dense.prepare_cross_kv(torch.randn(
+                    1, DZ_CFG.text_len, DZ_CFG.text_dim, generator=torch.Generator().manual_seed(1000 + c)))
+                    for c in range(DZ_CONTENTS)}
         cfg = DZ_CFG if family == "dreamzero" else HY_CFG
         kv_heads = cfg.num_heads if family == "dreamzero" else cfg.num_kv_heads
         self.scales = Fp8Scales.ones(FP8, cfg.num_layers, kv_heads) if fp8 else None
@@ -494,40 +494,40 @@ class Fuzzer:
 
     # ---- lifecycle operations -----------------------------------------------------------------------------
     def _do_admit(self, op: dict) -> None:
-        oid = op["id"]
-        if oid in self.finished:
+        if op["id"] in self.finished:
             self.stats.id_reuse += 1
-        if self.family == "dreamzero":
-            spec = DreamZeroSpec.from_model_config(DZ_CFG)
-            if op["spec"] == "wrong-sink":
-                spec = dataclasses.replace(spec, sink_frames=0)
-            cross_rows = [[kv for kv in self._cross[c]] for c in op["contents"]]  # per row: per layer (2, 1, Lt, H, D)
-            kwargs = {}
-            if op["regions"]:
-                cross = [torch.cat([cross_rows[r][layer] for r in range(op["rows"])], dim=1)
-                         for layer in range(DZ_CFG.num_layers)]
-                kwargs = dict(cross_kv=cross, cache_salt=op["salt"], content_keys=op["keys"])
-            done = self.on_paths(lambda p: p.runtime.admit(oid, spec, rows=op["rows"], **kwargs))
-            if done is None:
-                return
-            self._track_evictions()
-            self.twins[oid] = self.oracle.new_twin(cross_rows, op["regions"], self.scales, self._incarnation())
+        (self._admit_dreamzero if self.family == "dreamzero" else self._admit_hunyuan)(op)
+
+    def _admit_dreamzero(self, op: dict) -> None:
+        oid = op["id"]
+        spec = DreamZeroSpec.from_model_config(DZ_CFG)
+        if op["spec"] == "wrong-sink":
+            spec = dataclasses.replace(spec, sink_frames=0)
+        cross_rows = [list(self._cross[c]) for c in op["contents"]]  # per row: per layer (2, 1, Lt, H, D)
+        kwargs = {}
+        if op["regions"]:
+            cross = [torch.cat([row[layer] for row in cross_rows], dim=1) for layer in range(DZ_CFG.num_layers)]
+            kwargs = dict(cross_kv=cross, cache_salt=op["salt"], content_keys=op["keys"])
+        if self.on_paths(lambda p: p.runtime.admit(oid, spec, rows=op["rows"], **kwargs)) is None:
             return
+        self._track_evictions()
+        self.twins[oid] = self.oracle.new_twin(cross_rows, op["regions"], self.scales, self._incarnation())
+
+    def _admit_hunyuan(self, op: dict) -> None:
+        oid, lens, T = op["id"], op["lens"], HY_CFG.target_len
         g = torch.Generator().manual_seed(op["seed"])
-        prompts = [torch.randint(0, HY_CFG.vocab, (n,), generator=g) for n in op["lens"]]
-        T = HY_CFG.target_len
+        prompts = [torch.randint(0, HY_CFG.vocab, (n,), generator=g) for n in lens]
         if op["spec"] == "direct":
-            def make_spec(p):
-                return HunyuanSpec(tuple(op["lens"]), T, ((1, 1 + HY_CFG.image_tokens),))
+            def make_spec() -> HunyuanSpec:
+                return HunyuanSpec(tuple(lens), T, ((1, 1 + HY_CFG.image_tokens),))
         else:
             _, style, enc = op["spec"]
             req = dense_request(self.h.dense, prompts, HY_CAPACITY, style, torch.zeros(len(prompts), T, HY_CFG.hidden))
             mask = encode_mask(req.mask, enc)
 
-            def make_spec(p):  # the documented path for Tencent's model: the spec read from the prefill mask
-                return HunyuanSpec.from_prefill_mask(mask, op["lens"], T)
-        done = self.on_paths(lambda p: p.runtime.admit(oid, make_spec(p)))
-        if done is None:
+            def make_spec() -> HunyuanSpec:  # the documented path for Tencent's model: the spec read from the mask
+                return HunyuanSpec.from_prefill_mask(mask, lens, T)
+        if self.on_paths(lambda p: p.runtime.admit(oid, make_spec())) is None:
             return
         self.twins[oid] = HunyuanTwin(prompts, HY_CAPACITY, self._incarnation())
 
