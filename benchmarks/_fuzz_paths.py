@@ -48,7 +48,6 @@ HY_CAPACITY = 6
 HY_BLOCK = 4
 
 
-
 class InjectedFault(RuntimeError):
     """Raised by a fuzzed block after it ran (the fault inside a forward)."""
 
