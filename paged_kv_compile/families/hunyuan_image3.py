@@ -193,10 +193,15 @@ class HunyuanImage3Family(Family):
         else:
             mask_layouts = owner.state["layouts"]
         B, T = blocks.block_size, spec.target_len
+        # After a reset (`history_dropped`) the request holds no prompt blocks: its prefill takes them again (admission
+        # reserved them), or the prompt would be written into scratch, which the next forward overwrites.
+        taken = (blocks.allocate_rows([ceil_div(p, B) for p in spec.prefix_lens])
+                 if kind == "prefill" and not any(owner.rows) else [])
+        prompt_rows = taken or owner.rows
 
         def make() -> tuple[list[RowLayout], list[torch.Tensor]]:
             layouts, key_positions = [], []
-            for r, (row, p, ml) in enumerate(zip(owner.rows, spec.prefix_lens, mask_layouts)):
+            for r, (row, p, ml) in enumerate(zip(prompt_rows, spec.prefix_lens, mask_layouts)):
                 if kind == "prefill":
                     positions, ends, seq_len, top = ml.positions, ml.visible_end, ml.kept, None
                     key_positions.append(ml.positions)
@@ -208,8 +213,13 @@ class HunyuanImage3Family(Family):
                 layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len, max_position=top))
             return layouts, key_positions
 
-        layouts, key_positions = make() if kind == "prefill" else reuse_layouts(
-            owner, (kind, owner.version, prefix_capacity, blocks.first_scratch_row), make)
+        try:
+            layouts, key_positions = make() if kind == "prefill" else reuse_layouts(
+                owner, (kind, owner.version, prefix_capacity, blocks.first_scratch_row), make)
+        except BaseException:
+            for ids in taken:
+                blocks.free(ids)
+            raise
         # a prefill (again: a retry, another mask) makes the next step's mask checked against its layout
         state = {"layouts": mask_layouts, "step_mask_checked": False} if kind == "prefill" else {}
         if kind == "step" and attention_mask is not None and not owner.state.get("step_mask_checked"):
@@ -218,15 +228,24 @@ class HunyuanImage3Family(Family):
         tokens = len(mask_layouts[0].positions) if kind == "prefill" else T
         # A prefill's layout comes from its mask, which no cheap key names: it is always built (once per request).
         key = (owner.serial, kind, owner.version, prefix_capacity) if kind == "step" else ()
-        return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, [], key,
+        return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, taken, key,
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
-        """Nothing moves (the prefix was written in place); the prefill's layout is kept for the steps (a new
-        version: the steps' layouts and the metadata's repeat key follow a prefill run again with another mask)."""
+        """Nothing moves (the prefix was written in place, or into the blocks a prefill after a reset took); the
+        prefill's layout is kept for the steps (a new version: the steps' layouts and the metadata's repeat key
+        follow a prefill run again with another mask)."""
         owner.state.update(plan.state)
+        if plan.new_blocks:
+            owner.rows = [list(ids) for ids in plan.new_blocks]
         if plan.kind == "prefill":
             owner.version += 1
+
+    def history_dropped(self, owner: Owner) -> None:
+        """A reset freed the prompt blocks: the request must be prefilled again before a step (found by the
+        differential fuzzer: a step read its prompt from scratch, 1.44 off dense)."""
+        owner.phases_done.discard("prefill")
+        owner.state.clear()
 
     def check_expectation(self, expect: PrefixExpect, owner: Owner, plan: ForwardPlan) -> None:
         """The prefix capacity is the bucket's context, which the runtime already checks per call."""
