@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +128,17 @@ def check_gpu_tests(dry: bool, work: Path, timeout: float) -> dict:
             "figures": figures, "output_tail": tail if status == FAIL else tail[-800:]}
 
 
+def _run_benchmark(main: Callable[[list[str]], int], argv: list[str], out: Path) -> tuple[int | None, str, float, dict]:
+    """(exit code or None, the exception it raised, seconds, its JSON report) of one benchmark's `main`."""
+    t0 = time.perf_counter()
+    try:
+        rc, error = main([*argv, "--out", str(out)]), ""
+    except Exception as e:  # noqa: BLE001 - reported as this check's failure
+        rc, error = None, f"{type(e).__name__}: {e}"
+    seconds = round(time.perf_counter() - t0, 1)
+    return rc, error, seconds, json.loads(out.read_text()) if out.exists() else {}
+
+
 def check_gpu_suite(dry: bool, work: Path) -> dict:
     import torch
 
@@ -142,14 +154,7 @@ def check_gpu_suite(dry: bool, work: Path) -> dict:
         argv = ["--layers", "2", "--repeats", "5"]
         if isinstance(fa.select(16, capability=capability), str):  # the suite's block size; none: reference, triton
             argv += ["--kernels", "reference,triton"]
-    t0 = time.perf_counter()
-    try:
-        rc = gpu_suite.main([*argv, "--out", str(out)])
-        error = ""
-    except Exception as e:  # noqa: BLE001 - reported as this check's failure
-        rc, error = None, f"{type(e).__name__}: {e}"
-    seconds = round(time.perf_counter() - t0, 1)
-    report = json.loads(out.read_text()) if out.exists() else {}
+    rc, error, seconds, report = _run_benchmark(gpu_suite.main, argv, out)
     variants = [{"case": c["case"], "variant": name, "max_abs_diff_vs_dense": v.get("max_abs_diff_vs_dense"),
                  "rel_diff_vs_dense": v.get("rel_diff_vs_dense"), "eager_ms": v.get("eager_ms"),
                  "graph_ms": v.get("graph_ms")}
@@ -169,14 +174,7 @@ def check_e2e(dry: bool, work: Path) -> dict:
     out = work / "e2e_scale.json"
     out.unlink(missing_ok=True)
     argv = ["--dry-run"] if dry else []
-    t0 = time.perf_counter()
-    try:
-        rc = e2e_scale.main([*argv, "--out", str(out)])
-        error = ""
-    except Exception as e:  # noqa: BLE001 - reported as this check's failure
-        rc, error = None, f"{type(e).__name__}: {e}"
-    seconds = round(time.perf_counter() - t0, 1)
-    report = json.loads(out.read_text()) if out.exists() else {}
+    rc, error, seconds, report = _run_benchmark(e2e_scale.main, argv, out)
     problems = [p for fam in report.get("families", {}).values() for p in fam.get("problems", [])]
     status = PASS if rc == 0 else FAIL
     detail = error or ("; ".join(problems) if problems else "" if rc == 0 else f"e2e_scale exit {rc}")

@@ -52,30 +52,36 @@ class PagedHooks(DenseHooks):
         self.runtime.reset(self.owner_id)
 
 
-def admit_loop(model: torch.nn.Module, runtime: Any, owner_id: str, *, admit: bool = True,
-               **loop: Any) -> tuple[Any, Any, dict[str, Any]]:
+def admit_loop(model: torch.nn.Module, runtime: Any, owner_id: str, *, admit: bool = True, rows: int | None = None,
+               family_model: torch.nn.Module | None = None, **loop: Any) -> tuple[Any, Any, dict[str, Any]]:
     """(family, spec, loop arguments) of one session/request of `model`'s loop on `runtime`, admitted unless
     `admit=False`. The loop arguments are the family's for this runtime (`Family.loop_arguments`), derived before
-    admission: a request the runtime's buckets cannot serve is refused while it holds nothing."""
-    family = families.for_model(model)
-    spec = family.spec_for(model, **loop)
+    admission: a request the runtime's buckets cannot serve is refused while it holds nothing.
+
+    rows: the rows this runtime admits (default: the spec's; a CFG-parallel rank holds fewer). family_model: the
+    reference model the family and spec are read from, when `model` wraps it (a rank's `CfgBranch`)."""
+    family_model = model if family_model is None else family_model
+    family = families.for_model(family_model)
+    spec = family.spec_for(family_model, **loop)
     loop = family.loop_arguments(runtime, spec, loop)
     if admit:
-        runtime.admit(owner_id, spec)
+        runtime.admit(owner_id, spec, rows)
     return family, spec, loop
 
 
 @torch.no_grad()
 def paged_run(model: torch.nn.Module, runtime: Any, *, owner_id: str = "owner", make_hooks: HooksFactory = PagedHooks,
-              shared_kv: bool = False, cache_salt: str | bytes | None = None, **loop: Any) -> Any:
+              shared_kv: bool = False, cache_salt: str | bytes | None = None, rows: int | None = None,
+              family_model: torch.nn.Module | None = None, **loop: Any) -> Any:
     """One session/request of `model`'s own loop (`Family.steps`) on `runtime`: admitted first, released after,
     aborted if the loop raises. `loop`: the loop's keyword arguments (e.g. num_chunks=, num_inference_steps=;
     prompts=, num_steps=); the family derives the spec from them (`Family.spec_for`).
 
     shared_kv: the loop's write-once K/V (e.g. cross-attention) live in shared regions of the pool (keyed by
     `cache_salt`, regions.py) and the compiled model reads them with `paged_kv::attend`; the owner is admitted
-    when the loop has computed them."""
-    family, spec, loop = admit_loop(model, runtime, owner_id, admit=not shared_kv, **loop)
+    when the loop has computed them. rows, family_model: as `admit_loop`."""
+    family, spec, loop = admit_loop(model, runtime, owner_id, admit=not shared_kv, rows=rows,
+                                    family_model=family_model, **loop)
     hooks = make_hooks(runtime, owner_id)
     if shared_kv:
         hooks.admit_with = {"spec": spec, "cache_salt": cache_salt}

@@ -52,3 +52,15 @@ def hunyuan_qkv(attention, hidden_states, rope_cos, rope_sin):
     q, k = attention.query_layernorm(q), attention.key_layernorm(k)
     q, k = apply_rope_2d(q, k, rope_cos, rope_sin)
     return q, k, v
+
+
+def left_padded_mask(spec, capacity: int) -> torch.Tensor:
+    """`spec.padded_mask(capacity)` ([prompt | pad | target] per row) with each row's padding moved to the left
+    ([pad | prompt | target]): the same spec, other dense columns (a retry or re-prefill with another layout)."""
+    middle = spec.padded_mask(capacity)
+    S = capacity + spec.target_len
+    left = torch.zeros_like(middle)
+    for r, p in enumerate(spec.prefix_lens):
+        order = torch.cat([torch.arange(p, capacity), torch.arange(p), torch.arange(capacity, S)])
+        left[r, 0] = middle[r, 0][order][:, order]
+    return left

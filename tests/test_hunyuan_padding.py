@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import CountingBackend, compile_blocks
+from helpers import CountingBackend, compile_blocks, left_padded_mask
 
 from paged_kv_compile import RequestError
 from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec, hunyuan_runtime_config
@@ -233,11 +233,7 @@ def test_a_step_mask_is_checked_again_after_a_re_prefill():
     spec = HunyuanSpec((3, 5), 4, ((1, 3),))
     capacity = 6
     middle = spec.padded_mask(capacity)  # [prompt | pad | target]
-    S = capacity + spec.target_len
-    left = torch.zeros_like(middle)  # [pad | prompt | target]: the same spec, other dense columns
-    for r, p in enumerate(spec.prefix_lens):
-        order = torch.cat([torch.arange(p, capacity), torch.arange(p), torch.arange(capacity, S)])
-        left[r, 0] = middle[r, 0][order][:, order]
+    left = left_padded_mask(spec, capacity)  # [pad | prompt | target]
     rt = PagedKVRuntime(hunyuan_runtime_config(CFG, max_prefix=capacity, block_size=4))
     sched = rt.scheduler
     rt.admit("r", spec)

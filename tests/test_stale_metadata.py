@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import left_padded_mask
 from test_metadata import expected_layer_metadata
 
 from paged_kv_compile import PagedKVConfig
-from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.families.dreamzero import DreamZeroSpec
 from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec
+from paged_kv_compile.runtime import PagedKVRuntime
 from paged_kv_compile.scheduler import Scheduler
 
 B = 4
@@ -75,11 +76,7 @@ def test_a_retried_prefill_with_another_mask_is_built_for_that_mask():
     spec = HunyuanSpec((3, 5), 4, ((1, 3),))
     capacity = 6
     middle = spec.padded_mask(capacity)  # [prompt | pad | target]
-    S = capacity + spec.target_len
-    left = torch.zeros_like(middle)  # [pad | prompt | target]: the same spec, other dense columns
-    for r, p in enumerate(spec.prefix_lens):
-        order = torch.cat([torch.arange(p, capacity), torch.arange(p), torch.arange(capacity, S)])
-        left[r, 0] = middle[r, 0][order][:, order]
+    left = left_padded_mask(spec, capacity)  # [pad | prompt | target]
     rt.admit("r", spec)
     with pytest.raises(RuntimeError, match="injected"):
         with rt.forward("r", "prefill", prefix_capacity=capacity, attention_mask=middle):

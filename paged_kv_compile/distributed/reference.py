@@ -20,10 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import families
-from ..driver import PagedHooks
+from ..driver import PagedHooks, paged_run
 from ..models.dreamzero import DreamZeroModel
-from ..models.hooks import drive
 from ..models.hunyuan_image3 import HunyuanImage3Model
 from .parallel_config import ParallelConfig
 
@@ -129,19 +127,7 @@ class RankHooks(PagedHooks):
         return super().caches(_inner(model), batch, **geometry)
 
 
-@torch.no_grad()
 def rank_run(model: nn.Module, runtime: Any, *, rows: int | None = None, owner_id: str = "owner", **loop: Any) -> Any:
     """One session/request of the model's loop on this rank's runtime, admitted with this rank's `rows`."""
-    family = families.for_model(_inner(model))
-    spec = family.spec_for(_inner(model), **loop)
-    loop = family.loop_arguments(runtime, spec, loop)
-    hooks = RankHooks(runtime, owner_id)
-    runtime.admit(owner_id, spec, rows)
-    try:
-        out = drive(family.steps(model, hooks, **loop), hooks)
-    except BaseException:
-        if runtime.owner(owner_id) is not None and runtime.active is None:
-            runtime.abort(owner_id)
-        raise
-    runtime.release(owner_id)
-    return out
+    return paged_run(model, runtime, owner_id=owner_id, make_hooks=RankHooks, rows=rows, family_model=_inner(model),
+                     **loop)

@@ -18,8 +18,8 @@ from paged_kv_compile.distributed import ParallelConfig, RankRuntime
 from paged_kv_compile.families.dreamzero import DreamZeroSpec
 
 from . import vllm_omni_cpu as omni_cpu
-from .dreamzero_pipeline import PagedKV, local_branches
-from .hunyuan_pipeline import LAYERS
+from .dreamzero_pipeline import DenseKV, PagedKV, local_branches, run_session
+from .hunyuan_pipeline import LAYERS, request_inputs, run_layers
 from .multirank import load_full_weights, rank_info
 
 START_FRAME_IS_A_VALUE = "L['current_start_frame']"  # as test_dreamzero_vllm_omni.py: one frame per bucket
@@ -132,3 +132,22 @@ class DreamZeroRank:
 def start_frame_is_a_value() -> Any:
     """`torch.compiler.config.patch` marking DreamZero's start frame a value (one frame per bucket)."""
     return torch.compiler.config.patch(dynamic_sources=START_FRAME_IS_A_VALUE)
+
+
+# ---- one-rank oracles (the test process) ----------------------------------------------------------------------
+
+DZ_CALLS = 5  # three pipeline calls: commits (the first of one frame), denoising steps, a window reset after the second
+
+
+def hunyuan_one_rank(omni) -> tuple[list[dict], list[torch.Tensor]]:
+    """The one-rank HunyuanImage-3 layers' weights and their dense eager outputs on the request (fp32)."""
+    layers = [omni.tiny_hunyuan_layer(seed=10 + i, layer_idx=i) for i in range(LAYERS)]
+    with omni.hunyuan_fp32_rope():
+        return [layer.state_dict() for layer in layers], run_layers(layers, request_inputs(), autocast=None)
+
+
+def dreamzero_one_rank(omni) -> tuple[dict, dict]:
+    """The one-rank DreamZero model's weights and its dense session outputs."""
+    model = omni.tiny_dreamzero_model()
+    with torch.no_grad():
+        return model.state_dict(), run_session(model, DenseKV(model), calls=DZ_CALLS)

@@ -13,10 +13,18 @@ import torch
 from . import vllm_omni_cpu as omni_cpu
 from .dreamzero_pipeline import DenseKV, run_session
 from .hunyuan_pipeline import LAYERS, max_err, request_inputs, run_layers
-from .multirank import RankError, RankPool, hang_on_rank, load_full_weights, raise_on_rank, rank_info, sync_check
+from .multirank import (
+    RankError,
+    RankPool,
+    hang_on_rank,
+    load_full_weights,
+    raise_on_rank,
+    rank_info,
+    sync_check,
+)
+from .rank_scenarios import DZ_CALLS, dreamzero_one_rank, hunyuan_one_rank
 
 ATOL = 1e-5  # fp32 oracle bound
-DZ_CALLS = 5  # three pipeline calls and a window reset after the second: commits, denoising steps, reset
 
 
 # ---- rank tasks -----------------------------------------------------------------------------------------
@@ -46,25 +54,13 @@ def dreamzero_dense(state: dict, calls: int = DZ_CALLS) -> dict:
 # ---- one-rank oracles (this process) ------------------------------------------------------------------------
 
 
-def _hunyuan_one_rank(omni):
-    layers = [omni.tiny_hunyuan_layer(seed=10 + i, layer_idx=i) for i in range(LAYERS)]
-    with omni.hunyuan_fp32_rope():
-        return [layer.state_dict() for layer in layers], run_layers(layers, request_inputs(), autocast=None)
-
-
-def _dreamzero_one_rank(omni):
-    model = omni.tiny_dreamzero_model()
-    with torch.no_grad():
-        return model.state_dict(), run_session(model, DenseKV(model), calls=DZ_CALLS)
-
-
 # ---- tests -------------------------------------------------------------------------------------------------
 
 
 def test_tensor_parallel_hunyuan_decoder_layer_dense_matches_one_rank(omni, omni_ctx, ranks):
     """vllm-omni's HunyuanImage3DecoderLayer at TP 2 (4 query / 2 KV heads -> 2 / 1 per rank, o_proj and
     down_proj all-reduced): prefill + 3 steps of two right-padded CFG rows equal one rank's, fp32."""
-    states, one = _hunyuan_one_rank(omni)
+    states, one = hunyuan_one_rank(omni)
     ranks.setup(tensor_parallel_size=2)
     for r, out in enumerate(ranks.run(hunyuan_layers_dense, states)):
         err = max_err(one, out)
@@ -75,7 +71,7 @@ def test_tensor_parallel_hunyuan_decoder_layer_dense_matches_one_rank(omni, omni
 def test_tensor_parallel_dreamzero_dense_matches_one_rank(omni, omni_ctx, ranks):
     """vllm-omni's CausalWanModel at TP 2 (heads split, qk-norm and o/ffn all-reduced) through commits, denoising
     steps and a window reset equals one rank, fp32."""
-    state, one = _dreamzero_one_rank(omni)
+    state, one = dreamzero_one_rank(omni)
     ranks.setup(tensor_parallel_size=2)
     for r, out in enumerate(ranks.run(dreamzero_dense, state)):
         assert out["tp"] == 2 and out["heads"] == 1  # 2 heads, one per rank
@@ -88,7 +84,7 @@ def test_tensor_parallel_dreamzero_dense_matches_one_rank(omni, omni_ctx, ranks)
 def test_cfg_parallel_dreamzero_dense_matches_one_rank(omni, omni_ctx, ranks):
     """CFG-parallel 2: each rank runs one branch with its own cache (rank 0 positive), predictions exchanged by the
     CFG group's all_gather; every rank's guided result equals one rank running both branches, fp32."""
-    state, one = _dreamzero_one_rank(omni)
+    state, one = dreamzero_one_rank(omni)
     ranks.setup(cfg_parallel_size=2)
     outs = ranks.run(dreamzero_dense, state)
     for r, out in enumerate(outs):

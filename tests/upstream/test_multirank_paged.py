@@ -11,12 +11,19 @@ from __future__ import annotations
 import torch
 
 from . import vllm_omni_cpu as omni_cpu
-from .dreamzero_pipeline import DenseKV, run_session
-from .hunyuan_pipeline import LAYERS, max_err, request_inputs, run_layers
-from .rank_scenarios import DreamZeroRank, HunyuanRank, hunyuan_layers, start_frame_is_a_value
+from .dreamzero_pipeline import run_session
+from .hunyuan_pipeline import max_err, request_inputs, run_layers
+from .rank_scenarios import (
+    DZ_CALLS,
+    DreamZeroRank,
+    HunyuanRank,
+    dreamzero_one_rank,
+    hunyuan_layers,
+    hunyuan_one_rank,
+    start_frame_is_a_value,
+)
 
 ATOL = 1e-5
-DZ_CALLS = 5  # commits (the first of one frame), denoising steps, a window reset after the second call
 TP_COLLECTIVES = ["_c10d_functional.all_reduce", "_c10d_functional.wait_tensor"]
 
 
@@ -49,18 +56,6 @@ def dreamzero_task(state: dict, calls: int = DZ_CALLS) -> dict:
 # ---- one-rank oracles (this process) --------------------------------------------------------------------
 
 
-def _hunyuan_one_rank(omni):
-    layers = [omni.tiny_hunyuan_layer(seed=10 + i, layer_idx=i) for i in range(LAYERS)]
-    with omni.hunyuan_fp32_rope():
-        return [layer.state_dict() for layer in layers], run_layers(layers, request_inputs(), autocast=None)
-
-
-def _dreamzero_one_rank(omni):
-    model = omni.tiny_dreamzero_model()
-    with torch.no_grad():
-        return model.state_dict(), run_session(model, DenseKV(model), calls=DZ_CALLS)
-
-
 def _same_final_state(outs: list[dict]) -> None:
     assert outs[0]["state"] == outs[1]["state"], "both ranks end in the same runtime state"
     assert outs[0]["state"]["owners"] == {} and outs[0]["state"]["num_free"] > 0
@@ -73,7 +68,7 @@ def test_tensor_parallel_hunyuan_paged_matches_dense_and_one_rank(omni, omni_ctx
     """vllm-omni's HunyuanImage3DecoderLayer at TP 2 through the shipped adapter: two right-padded CFG rows,
     prefill + 3 steps. Paged == dense at TP 2, and == one-rank dense, fp32 (the one-rank bf16 test's bound is
     2**-8; with the bf16 cast removed both runs are fp32 and the bound is the oracle's 1e-5)."""
-    states, one = _hunyuan_one_rank(omni)
+    states, one = hunyuan_one_rank(omni)
     ranks.setup(tensor_parallel_size=2)
     outs = ranks.run(hunyuan_tp_task, states)
     for r, out in enumerate(outs):
@@ -95,7 +90,7 @@ def test_cfg_parallel_dreamzero_paged_matches_one_rank(omni, omni_ctx, ranks):
     """CFG-parallel 2: each rank holds its own branch's rows (1 row, half the blocks) and runs it as the pipeline
     does; after the CFG all_gather every rank's result equals one-rank dense eager through commits, denoising steps
     and a window reset, fp32."""
-    state, one = _dreamzero_one_rank(omni)
+    state, one = dreamzero_one_rank(omni)
     ranks.setup(cfg_parallel_size=2)
     outs = ranks.run(dreamzero_task, state)
     for r, out in enumerate(outs):
@@ -113,7 +108,7 @@ def test_cfg_parallel_dreamzero_paged_matches_one_rank(omni, omni_ctx, ranks):
 def test_tensor_parallel_dreamzero_paged_matches_one_rank(omni, omni_ctx, ranks):
     """TP 2: each rank pages its one local head through commits, denoising steps and a window reset; the blocks'
     qk-norm and o/ffn all-reduces stay in the compiled graphs, the votes stay out; == one-rank dense, fp32."""
-    state, one = _dreamzero_one_rank(omni)
+    state, one = dreamzero_one_rank(omni)
     ranks.setup(tensor_parallel_size=2)
     outs = ranks.run(dreamzero_task, state)
     for r, out in enumerate(outs):
