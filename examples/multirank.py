@@ -1,8 +1,10 @@
-"""Two ranks on the CPU: a paged DreamZero rollout with CFG-parallel and a HunyuanImage-3 request with tensor parallel.
+"""Two ranks on the CPU: a paged DreamZero rollout with CFG-parallel, a HunyuanImage-3 request with tensor parallel,
+and a DreamZero rollout with Ulysses sequence parallel.
 
 Starts 2 processes (`torch.multiprocessing`, a gloo world). Each rank builds its part of a reference model
 (`paged_kv_compile.distributed.reference`: CFG-parallel runs one branch per rank, tensor parallel keeps the rank's
-heads and all-reduces the output projection), a pool sized by what the rank holds (`ParallelConfig.rank_config`),
+heads and all-reduces the output projection, Ulysses splits the tokens and trades them for heads around each
+self-attention), a pool sized by what the rank holds (`ParallelConfig.rank_config`),
 and a `RankRuntime`, whose every decision both ranks agree on. Each result is compared with the one-rank dense
 model (eager, fp32); prints max |paged - dense| and each rank's KV bytes, exits 1 on a mismatch.
 
@@ -76,12 +78,40 @@ def hunyuan_tensor_parallel(rank: int) -> dict:
             "one_rank_bytes": KVPool.nbytes_for(one_rank)}
 
 
+def dreamzero_ulysses(rank: int) -> dict:
+    from paged_kv_compile import KVPool, PagedKVRuntime
+    from paged_kv_compile.distributed import ParallelConfig, RankRuntime
+    from paged_kv_compile.distributed.reference import rank_run, shard_sequence
+    from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
+    from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
+
+    cfg = DreamZeroConfig(num_layers=2, window_reset_frames=6, action_register_length=6)  # tokens split in 2 evenly
+    loop = dict(num_chunks=4, num_inference_steps=2, seed=0)
+    dense = dreamzero_rollout(DreamZeroModel(cfg, seed=1), **loop)
+
+    parallel = ParallelConfig(ulysses=2, ulysses_rank=rank)
+    one_rank = dreamzero_runtime_config(cfg, block_size=8, kernel="reference")
+    runtime = RankRuntime(PagedKVRuntime(parallel.rank_config(one_rank)), parallel, group=dist.group.WORLD)
+    model = shard_sequence(DreamZeroModel(cfg, seed=1), parallel, dist.group.WORLD)
+    runtime.bind(model.blocks)
+    _compile(model.blocks)
+    paged = rank_run(model, runtime, **loop)
+    err = max((dense[k] - paged[k]).abs().max().item() for k in ("video", "actions"))
+    return {"err": err, "bytes": runtime.pool.nbytes, "one_rank_bytes": KVPool.nbytes_for(one_rank)}
+
+
+MODES = {"dreamzero": ("DreamZero, CFG-parallel 2 (one branch per rank)", dreamzero_cfg_parallel),
+         "hunyuan": ("HunyuanImage-3, tensor parallel 2 (half the heads per rank)", hunyuan_tensor_parallel),
+         "ulysses": ("DreamZero, Ulysses 2 (half the tokens per rank, every token's K/V for half the heads)",
+                     dreamzero_ulysses)}
+
+
 def _rank(rank: int, world: int, init_file: str, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        results.put((rank, "dreamzero", dreamzero_cfg_parallel(rank)))
-        results.put((rank, "hunyuan", hunyuan_tensor_parallel(rank)))
+        for what, (_, run) in MODES.items():
+            results.put((rank, what, run(rank)))
     except BaseException:
         import traceback
 
@@ -99,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         procs = [ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "store"), results)) for r in range(world)]
         for p in procs:
             p.start()
-        while len(got) < 2 * world and time.monotonic() < deadline:
+        while len(got) < len(MODES) * world and time.monotonic() < deadline:
             try:
                 rank, what, out = results.get(timeout=1)
             except queue.Empty:
@@ -111,15 +141,14 @@ def main(argv: list[str] | None = None) -> int:
                 break
             got[(rank, what)] = out
         for p in procs:
-            p.join(timeout=30 if len(got) == 2 * world else 0)
+            p.join(timeout=30 if len(got) == len(MODES) * world else 0)
             if p.is_alive():
                 p.kill()
-    if len(got) < 2 * world:
+    if len(got) < len(MODES) * world:
         print(f"the ranks did not finish (got {sorted(got)}; limit {TIMEOUT_S} s)", file=sys.stderr)
         return 1
     ok = True
-    for what, title in (("dreamzero", "DreamZero, CFG-parallel 2 (one branch per rank)"),
-                        ("hunyuan", "HunyuanImage-3, tensor parallel 2 (half the heads per rank)")):
+    for what, (title, _) in MODES.items():
         print(title)
         for rank in range(world):
             out = got[(rank, what)]

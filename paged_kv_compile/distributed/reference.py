@@ -9,6 +9,11 @@ the multi-rank tests: they are simpler to read than vllm-omni's layers when some
 * `CfgBranch(model, parallel, group)`: CFG-parallel for DreamZero's loop, which runs both CFG rows in one batch:
   the wrapper runs this rank's branch (vllm-omni's round robin: branch i on CFG rank i) as a batch-1 forward and
   all-gathers the branch outputs over `group`, so the loop's CFG combine sees both, as `CFGParallelMixin` does.
+* `shard_sequence(model, parallel, group)`: Ulysses sequence parallel for DreamZero, in place. The model's
+  tokens are split across the Ulysses group (rank order is sequence order) before the blocks and gathered after;
+  in each self-attention an all-to-all trades this rank's tokens with every head for every token with H/U heads,
+  which are attended and cached (the pool holds those heads), and a second one trades them back. Cross-attention
+  runs on the rank's tokens with every head (its K/V are the dense per-session ones, not a shared region).
 * `rank_run(model, runtime, rows=..., **loop)`: `driver.paged_run` for a rank that holds `rows` of the owner's rows.
 """
 
@@ -104,16 +109,92 @@ class CfgBranch(nn.Module):
     def prepare_cross_kv(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
         return self.model.prepare_cross_kv(*args, **kwargs)
 
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts)
-
     def forward(self, latents, actions, timestep, start_frame, kv_caches, cross_kvs, update_kv_cache):
         b = slice(self.branch, self.branch + 1)
         video, action, _ = self.model(latents[b], actions[b], timestep[b], start_frame, [c[:, b] for c in kv_caches],
                                       [c[:, b] for c in cross_kvs], update_kv_cache)
-        return self._gather(video), self._gather(action), kv_caches
+        return _all_gather(video, self.group, 0), _all_gather(action, self.group, 0), kv_caches
+
+
+def _all_gather(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """Every rank's `x` of `group`, joined along `dim` in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+class _TokensToHeads(nn.Module):
+    """Ulysses' first all-to-all: (B, S/U, H, D), this rank's tokens -> (B, S, H/U, D), this rank's heads; the
+    layout of vllm-omni's `all_to_all_4D` (diffusion/distributed/comm.py): the received buffer is
+    (U, S/U, B, H/U, D), read sequence-major. Inside the compiled blocks (dynamo traces `dist.all_to_all_single`
+    as a functional collective)."""
+
+    def __init__(self, group: Any, degree: int) -> None:
+        super().__init__()
+        self.group, self.degree = group, degree
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h, d = x.shape
+        send = x.reshape(b, s, self.degree, h // self.degree, d).transpose(0, 2).contiguous()  # (U, s, B, h/U, d)
+        got = self.exchange(send)  # got[j]: rank j's tokens, this rank's heads
+        return got.reshape(self.degree * s, b, h // self.degree, d).transpose(0, 1)
+
+    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """send[j] to rank j; returns what rank j sent at [j] (as vllm-omni: into a buffer, in place)."""
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send, group=self.group)
+        return got
+
+
+class _HeadsToTokens(_TokensToHeads):
+    """Ulysses' second all-to-all, the inverse: (B, S, H/U, D) -> (B, S/U, H, D) (`all_to_all_4D`'s other way)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h, d = x.shape
+        send = x.reshape(b, self.degree, s // self.degree, h, d).permute(1, 3, 2, 0, 4).contiguous()  # U, h, s/U, B, d
+        got = self.exchange(send)  # got[j]: this rank's tokens, rank j's heads
+        return got.reshape(self.degree * h, s // self.degree, b, d).transpose(0, 2)
+
+
+class _ShardTokens(nn.Module):
+    """This rank's contiguous share of the tokens (B, S, dim) -> (B, S/U, dim): rank order is sequence order."""
+
+    def __init__(self, rank: int, degree: int) -> None:
+        super().__init__()
+        self.rank, self.degree = rank, degree
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] % self.degree:
+            raise ValueError(f"{x.shape[1]} tokens per forward cannot be split across ulysses={self.degree} ranks; "
+                             "make frame_seqlen x frames + action_register_length a multiple of the degree")
+        share = x.shape[1] // self.degree
+        return x[:, self.rank * share:(self.rank + 1) * share].contiguous()  # blocks see one stride: one frame
+
+
+class _GatherTokens(nn.Module):
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _all_gather(x, self.group, 1)
+
+
+def shard_sequence(model: DreamZeroModel, parallel: ParallelConfig, group: Any) -> DreamZeroModel:
+    """Ulysses sequence parallel for a DreamZeroModel, in place (module docstring); `group`: the Ulysses group."""
+    u = parallel.ulysses
+    if u == 1:
+        return model
+    if not isinstance(model, DreamZeroModel):
+        raise TypeError(f"shard_sequence knows DreamZeroModel, not {type(model).__name__}")
+    for block in model.blocks:
+        attn = block.self_attn
+        if attn.num_heads % u:
+            raise ValueError(f"{attn.num_heads} heads cannot be split across ulysses={u}")
+        attn.tokens_to_heads, attn.heads_to_tokens = _TokensToHeads(group, u), _HeadsToTokens(group, u)
+        attn.num_heads //= u
+    model.shard_tokens, model.gather_tokens = _ShardTokens(parallel.ulysses_rank, u), _GatherTokens(group)
+    return model
 
 
 def _inner(model: nn.Module) -> nn.Module:

@@ -201,6 +201,10 @@ class CausalWanSelfAttention(nn.Module):
         self.o = nn.Linear(cfg.dim, cfg.dim)
         self.norm_q = RMSNorm(cfg.head_dim, cfg.eps)
         self.norm_k = RMSNorm(cfg.head_dim, cfg.eps)
+        # Sequence parallel (Ulysses, distributed/reference.py) makes these all-to-alls: this rank's tokens with
+        # every head in, every token with `num_heads` (the rank's share of the heads) attended and cached, back out.
+        self.tokens_to_heads: nn.Module = nn.Identity()
+        self.heads_to_tokens: nn.Module = nn.Identity()
 
     def forward(
         self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, kv_cache: torch.Tensor
@@ -208,8 +212,9 @@ class CausalWanSelfAttention(nn.Module):
         b, s, _ = x.shape
         A, sink = self.action_register_length, self.sink
         qkv = self.qkv(x)
-        q, k, v = qkv.view(b, s, 3, self.num_heads, self.head_dim).unbind(2)
+        q, k, v = qkv.view(b, s, 3, -1, self.head_dim).unbind(2)
         q, k = self.norm_q(q), self.norm_k(k)
+        q, k, v = self.tokens_to_heads(q), self.tokens_to_heads(k), self.tokens_to_heads(v)
         q_video, q_action = q[:, :-A], q[:, -A:]
         k_video, k_action = k[:, :-A], k[:, -A:]
         v_video, v_action = v[:, :-A], v[:, -A:]
@@ -237,7 +242,7 @@ class CausalWanSelfAttention(nn.Module):
         k = torch.cat([new_k, k_action], dim=1)
         v = torch.cat([new_v, v_action], dim=1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-        out = self.o(out.flatten(2))
+        out = self.o(self.heads_to_tokens(out).flatten(2))
         return out, torch.stack([new_k, new_v])
 
 
@@ -352,6 +357,10 @@ class DreamZeroModel(nn.Module):
             self.head = CausalHead(cfg)
 
         build_quietly(build)
+        # Sequence parallel (distributed/reference.py) makes these this rank's share of the tokens before the
+        # blocks and all of them after; identity on one rank.
+        self.shard_tokens: nn.Module = nn.Identity()
+        self.gather_tokens: nn.Module = nn.Identity()
         seeded_init_(
             self,
             seed,
@@ -361,12 +370,11 @@ class DreamZeroModel(nn.Module):
 
     # ---- eager-side helpers (never inside a block) -------------------------------------------
     def dense_caches(self, batch: int) -> list[torch.Tensor]:
-        """Per layer an empty cache (2, batch, 0, H, D): K at [0], V at [1]; it grows by concat."""
-        cfg, p = self.cfg, next(self.parameters())
-        return [
-            torch.zeros(2, batch, 0, cfg.num_heads, cfg.head_dim, dtype=p.dtype, device=p.device)
-            for _ in range(cfg.num_layers)
-        ]
+        """Per layer an empty cache (2, batch, 0, H, D): K at [0], V at [1]; it grows by concat. H: the heads the
+        self-attention attends (all of them on one rank; a rank's share under tensor or sequence parallel)."""
+        p = next(self.parameters())
+        heads = [(block.self_attn.num_heads, block.self_attn.head_dim) for block in self.blocks]
+        return [torch.zeros(2, batch, 0, h, d, dtype=p.dtype, device=p.device) for h, d in heads]
 
     def rope_tables(
         self, start_frame: int, num_frames: int, device: torch.device | None = None
@@ -440,10 +448,11 @@ class DreamZeroModel(nn.Module):
         e0 = self.time_embedding(sinusoidal_embedding(timestep, cfg.freq_dim).to(x.dtype))
         e = self.time_projection(e0).unflatten(1, (6, cfg.dim))
         new_caches = []
+        x = self.shard_tokens(x)
         for block, kv_cache, cross_kv in zip(self.blocks, kv_caches, cross_kvs):
             x, new_cache = block(x, e, rope_cos, rope_sin, kv_cache, cross_kv)
             new_caches.append(new_cache)
-        video, action = self.head(x, e0)
+        video, action = self.head(self.gather_tokens(x), e0)
         return video, action, (new_caches if update_kv_cache else kv_caches)
 
 

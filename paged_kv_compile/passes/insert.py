@@ -58,6 +58,8 @@ def to_bshd(graph: fx.Graph, read: LeafRead, start: int, stop: int) -> fx.Node:
         node = graph.call_method("reshape", (node, *read.shape))
     if read.seq_dim == 2 and read.head_dim_index == 1:
         node = graph.call_method("transpose", (node, 1, 2))
+    elif read.seq_dim == 0:  # sequence-major (S, B, H, D)
+        node = graph.call_method("transpose", (node, 0, 1))
     if (start, stop) != (0, read.shape[read.seq_dim]):
         node = graph.call_function(operator.getitem, (node, (slice(None), slice(start, stop))))
     return node

@@ -52,24 +52,28 @@ class Provenance:
 
 
 def _axis_orders(ndim: int) -> list[tuple[int | None, int, int, int, int]]:
-    """Candidate (kv, batch, seq, head, dim) axes of a leaf of `ndim` dims."""
+    """Candidate (kv, batch, seq, head, dim) axes of a leaf of `ndim` dims: token-major, head-major, and for 4 dims
+    sequence-major (S, B, H, D), what a Ulysses all-to-all receives (vllm-omni's `all_to_all_4D`)."""
     if ndim == 4:
-        return [(None, 0, 1, 2, 3), (None, 0, 2, 1, 3)]
+        return [(None, 0, 1, 2, 3), (None, 0, 2, 1, 3), (None, 1, 0, 2, 3)]
     if ndim == 5:
         return [(0, 1, 2, 3, 4), (0, 1, 3, 2, 4)]
     return []
 
 
 def _read_shapes(shape: tuple[int, ...], head_dim: int, batch: int):
-    """(shape to read the leaf as, axes) pairs: as is; with a fused H*D last axis split in two; and with a
-    leading flattened token axis (vLLM's (num_tokens, H, D) or (num_tokens, H*D)) split into (batch, seq).
-    Splits keep row-major order, so every candidate is verified element by element by the caller."""
+    """(shape to read the leaf as, axes) pairs: as is; with a fused H*D last axis split in two; with a leading
+    flattened token axis (vLLM's (num_tokens, H, D) or (num_tokens, H*D)) split into (batch, seq); and with two
+    leading axes merged (a Ulysses all-to-all's received (U, S/U, B, H, D) buffer read as (S, B, H, D)).
+    Splits and merges keep row-major order, so every candidate is verified element by element by the caller."""
     shapes = [shape]
     if shape and shape[-1] % head_dim == 0 and shape[-1] != head_dim:
         shapes.append(shape[:-1] + (shape[-1] // head_dim, head_dim))
     for s in list(shapes):
         if len(s) == 3 and batch > 0 and s[0] % batch == 0:
             shapes.append((batch, s[0] // batch) + s[1:])
+        if len(s) == 5:
+            shapes.append((s[0] * s[1],) + s[2:])
     return [(s, axes) for s in shapes for axes in _axis_orders(len(s))]
 
 

@@ -1,6 +1,6 @@
 """Our reference models on two gloo ranks, in the modes vllm-omni runs the real ones (distributed/reference.py):
-DreamZero with CFG-parallel 2 and tensor parallel 2, HunyuanImage-3 with tensor parallel 2. The parallel layout
-and the agreement group come from vllm-omni's parallel_state (`ParallelConfig.from_vllm_omni`,
+DreamZero with CFG-parallel 2, tensor parallel 2 and Ulysses 2, HunyuanImage-3 with tensor parallel 2. The parallel
+layout and the agreement group come from vllm-omni's parallel_state (`ParallelConfig.from_vllm_omni`,
 `model_parallel_cpu_group`). Paged on each rank vs the one-rank dense model, eager fp32: 1e-5; one compiled frame
 per bucket on every rank (the collective decisions add none)."""
 
@@ -11,7 +11,7 @@ from helpers import CountingBackend, compile_blocks, host_syncs
 
 from paged_kv_compile import PagedKVRuntime
 from paged_kv_compile.distributed import ParallelConfig, RankRuntime, model_parallel_cpu_group
-from paged_kv_compile.distributed.reference import CfgBranch, rank_run, shard_heads
+from paged_kv_compile.distributed.reference import CfgBranch, rank_run, shard_heads, shard_sequence
 from paged_kv_compile.families.dreamzero import dreamzero_runtime_config
 from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel, dreamzero_rollout
@@ -22,6 +22,7 @@ from .multirank import rank_info
 ATOL = 1e-5
 DZ = DreamZeroConfig(num_layers=2, window_reset_frames=6)  # chunks of 2 frames in a 6-frame window, reset after 3
 DZ_LOOP = dict(num_chunks=4, num_inference_steps=2, seed=0)
+DZ_ULYSSES = DreamZeroConfig(num_layers=2, window_reset_frames=6, action_register_length=6)  # 16 x frames + 6: even
 HY = HunyuanImage3Config(num_layers=2, image_h=2, image_w=3)  # 4 query / 2 KV heads
 HY_PROMPTS = [torch.arange(3, 12), torch.arange(5, 9)]  # two CFG rows of different prompt lengths
 HY_LOOP = dict(num_steps=3, seed=0)
@@ -58,6 +59,26 @@ def dreamzero_task() -> dict:
         paged = rank_run(model, runtime, **DZ_LOOP)
     return {"video": paged["video"], "actions": paged["actions"], "resets": paged["resets"],
             "heads": model.blocks[0].self_attn.num_heads, **_hygiene(backend, runtime)}
+
+
+def dreamzero_ulysses_task() -> dict:
+    """This rank's DreamZero under Ulysses 2 (vllm-omni's Ulysses group): its tokens, every token's K/V for half the
+    heads in its pool; dense (the same sharded model on dense caches) and paged rollouts with a window reset."""
+    from vllm_omni.diffusion.distributed.parallel_state import get_sp_group
+
+    torch._dynamo.reset()
+    parallel = ParallelConfig.from_vllm_omni()
+    group = get_sp_group().ulysses_group
+    dense = dreamzero_rollout(shard_sequence(DreamZeroModel(DZ_ULYSSES, seed=1), parallel, group), **DZ_LOOP)
+    runtime = _runtime(dreamzero_runtime_config(DZ_ULYSSES, block_size=8, kernel="reference"))
+    model = shard_sequence(DreamZeroModel(DZ_ULYSSES, seed=1), parallel, group)
+    runtime.bind(model.blocks)
+    backend = _compiled(model.blocks)
+    paged = rank_run(model, runtime, **DZ_LOOP)
+    collectives = sorted({str(n.target) for r in backend.results for n in r.graph_module.graph.nodes
+                          if "_c10d_functional" in str(n.target)})
+    return {"dense": dense, "paged": paged, "heads": model.blocks[0].self_attn.num_heads, "collectives": collectives,
+            **_hygiene(backend, runtime)}
 
 
 def hunyuan_task() -> dict:
@@ -117,4 +138,24 @@ def test_tensor_parallel_reference_models_match_one_rank(ranks):
         print(f"[figure] reference HunyuanImage-3 TP 2 rank {r}: paged vs one-rank dense {err:.2e}")
         assert err <= ATOL and out["kv_heads"] == 1 and out["host_syncs"] == []
         assert out["frames"] == 2, "prefill and step buckets, shared by both layers"
+    assert outs[0]["state"] == outs[1]["state"]
+
+
+def test_ulysses_reference_dreamzero_matches_one_rank(ranks):
+    """Ulysses 2 through a model: each rank holds every token's K/V for half the heads (half the one-rank pool),
+    the all-to-alls are inside the one compiled frame, and both the dense and the paged rollout of the sharded model
+    equal the one-rank dense rollout."""
+    one_rank = dreamzero_rollout(DreamZeroModel(DZ_ULYSSES, seed=1), **DZ_LOOP)
+    one_rank_bytes = PagedKVRuntime(dreamzero_runtime_config(DZ_ULYSSES, block_size=8, kernel="reference")).pool.nbytes
+    ranks.setup(ulysses_degree=2)
+    outs = ranks.run(dreamzero_ulysses_task)
+    for r, out in enumerate(outs):
+        assert out["ulysses"] == 2 and out["heads"] == DZ_ULYSSES.num_heads // 2
+        for side in ("dense", "paged"):
+            err = max((out[side][k] - one_rank[k]).abs().max().item() for k in ("video", "actions"))
+            print(f"[figure] reference DreamZero Ulysses 2 rank {r}: {side} vs one-rank dense {err:.2e}")
+            assert err <= ATOL and out[side]["resets"] == one_rank["resets"] == [2]
+        assert out["bytes"] * 2 == one_rank_bytes, (out["bytes"], one_rank_bytes)
+        assert out["frames"] == 1 and out["host_syncs"] == [], "one frame serves commit and denoise, every layer"
+        assert out["collectives"] == ["_c10d_functional.all_to_all_single", "_c10d_functional.wait_tensor"]
     assert outs[0]["state"] == outs[1]["state"]
