@@ -311,7 +311,3 @@ def _fmt(v: Any) -> str:
 
 def gib(nbytes: float) -> float:
     return nbytes / 2**30
-
-
-def mib(nbytes: float) -> float:
-    return nbytes / 2**20

@@ -64,3 +64,9 @@ def left_padded_mask(spec, capacity: int) -> torch.Tensor:
         order = torch.cat([torch.arange(p, capacity), torch.arange(p), torch.arange(capacity, S)])
         left[r, 0] = middle[r, 0][order][:, order]
     return left
+
+
+def random_prompts(vocab: int, lengths, seed: int = 0) -> list[torch.Tensor]:
+    """One prompt of token ids in [0, vocab) per length, from a generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]

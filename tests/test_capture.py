@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import CountingBackend, compile_blocks
+from helpers import CountingBackend, compile_blocks, random_prompts
 
 from paged_kv_compile.capture import CaptureError, CapturedBlocks, EmulatedGraphs, unique_graphs, warm_up
 from paged_kv_compile.families.dreamzero import dreamzero_block_inputs, dreamzero_buckets, dreamzero_runtime_config
@@ -44,8 +44,7 @@ def _dreamzero(device="cpu", inner="aot_eager", buckets=None):
 
 
 def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, HY_CFG.vocab, (n,), generator=g) for n in lengths]
+    return random_prompts(HY_CFG.vocab, lengths, seed)
 
 
 def _hunyuan(buckets, runtime_buckets=None):

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import CountingBackend, compile_blocks
+from helpers import CountingBackend, compile_blocks, random_prompts
 
 from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
 from paged_kv_compile.capture.calls import record_calls
@@ -64,8 +64,7 @@ def _capture(model, blocks, runtime, inputs, **kw) -> CapturedBlocks:
 
 
 def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, HY_CFG.vocab, (n,), generator=g) for n in lengths]
+    return random_prompts(HY_CFG.vocab, lengths, seed)
 
 
 def _hunyuan(check_mask: bool = False):

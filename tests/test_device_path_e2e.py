@@ -16,7 +16,7 @@ import functools
 
 import pytest
 import torch
-from helpers import CountingBackend, compile_blocks
+from helpers import CountingBackend, compile_blocks, random_prompts
 
 from paged_kv_compile.config import Bucket
 from paged_kv_compile.driver import paged_run
@@ -118,8 +118,7 @@ def _max_diff(dense: dict, paged: dict) -> float:
 
 
 def _hunyuan_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, HY_CFG.vocab, (n,), generator=g) for n in lengths]
+    return random_prompts(HY_CFG.vocab, lengths, seed)
 
 
 def _hunyuan(kernel: str, whole_model: bool, prompts, steps: int, inner: str = "aot_eager",

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from helpers import CountingBackend, compile_blocks
+from helpers import CountingBackend, compile_blocks, random_prompts
 
 import paged_kv_compile  # noqa: F401  (registers torch.ops.paged_kv)
 from paged_kv_compile.capture import CapturedBlocks, EmulatedGraphs, model_blocks_and_inputs, warm_up
@@ -181,8 +181,7 @@ def test_dreamzero_captured_rollout_matches_dense_eager(kernel, no_host_checks):
 
 
 def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, HY_CFG.vocab, (n,), generator=g) for n in lengths]
+    return random_prompts(HY_CFG.vocab, lengths, seed)
 
 
 @pytest.mark.parametrize("kernel", ["triton", "reference"])
