@@ -188,11 +188,12 @@ class CapturedBlocks:
         versions = [b._version for b in buffers]
         with torch.no_grad(), self.runtime.warmup_forward(bucket) as active:
             seen = getattr(active, "layers_seen", None)
+            served: dict[int, set] = {}  # block index -> layers its paged sites served
             for i in range(len(self.blocks)):
                 before = set(seen) if seen is not None else set()
                 args, kwargs = pytree.tree_unflatten(state.static_leaves(), state.spec)
                 out = self.blocks[i](*args, **kwargs)
-                state.site_layers[i] = (set(seen) - before) if seen is not None else set()
+                served[i] = (set(seen) - before) if seen is not None else set()
                 changed = state.changed(args, kwargs)
                 if changed:
                     raise CaptureError(
@@ -210,7 +211,7 @@ class CapturedBlocks:
                 "captured call would write into its static copy, not the caller's tensor"
             )
         if seen is not None:
-            missing = [i for i, layers in state.site_layers.items() if not layers]
+            missing = [i for i, layers in served.items() if not layers]
             if missing:
                 raise CaptureError(
                     f"blocks {missing} ran no paged attention site in the warm-up forward of {bucket}: compile them "

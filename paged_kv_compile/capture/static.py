@@ -83,7 +83,6 @@ class BucketState:
     graphs: dict[int, Any] = field(default_factory=dict)  # block index -> torch.cuda.CUDAGraph
     outputs: dict[int, Any] = field(default_factory=dict)  # block index -> output tree over static buffers
     out_buffers: list[torch.Tensor] = field(default_factory=list)
-    site_layers: dict[int, set] = field(default_factory=dict)  # block index -> layers its paged sites serve
     calls: dict[int, list] = field(default_factory=dict)  # block index -> the paged calls its capture made
     forward: Any = None  # granularity="forward": the bucket's ForwardGraph (capture/forward_graph.py)
 
