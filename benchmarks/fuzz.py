@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._fuzz_mutants import mutant  # noqa: E402
+from benchmarks._fuzz_mutants import DESCRIPTIONS, mutant  # noqa: E402
 from benchmarks._fuzz_paths import (  # noqa: E402
     DZ_CFG,
     DZ_CONTENTS,
@@ -800,6 +800,8 @@ def main(argv: list[str] | None = None) -> int:
             Fuzzer(saved["family"], fp8=saved["fp8"]).replay(saved["ops"])
         print("replay: no failure")
         return 0
+    if args.mutant:
+        print(f"mutant {args.mutant}: {DESCRIPTIONS[args.mutant]}", flush=True)
     families = FAMILIES if args.family == "all" else (args.family,)
     pools = {"fp32": (False,), "fp8": (True,), "all": (False, True)}[args.pool]
     runs = [(f, fp8) for fp8 in pools for f in families]
