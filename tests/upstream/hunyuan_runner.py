@@ -1,0 +1,169 @@
+"""vllm-omni's `DiffusionModelRunner` serving its `HunyuanImage3Pipeline` on a CPU, at a tiny size.
+
+The closest real objects of vllm-omni's HunyuanImage-3 stack that run here (vllm-omni 0.30.0):
+
+* the runner is the package's `DiffusionModelRunner` (or the subclass `diffusion_model_runner_cls` names), built by
+  its own constructor; `load_model` is replaced by handing it the pipeline (loading reads an 80B checkpoint);
+  `execute_model(request)` serves requests as the worker calls it;
+* the pipeline is `HunyuanImage3Pipeline` with everything from `_generate` down unchanged: the denoise loop of
+  `HunyuanImage3Text2ImagePipeline.__call__` (its scheduler, bf16 latents and autocast, CFG), the pipeline's
+  `_prepare_attention_mask_for_generation`, `prepare_inputs_for_generation`, `forward_call`,
+  `_update_model_kwargs_for_generation`, `instantiate_*_tokens`, `ragged_final_layer`, and the real
+  `HunyuanImage3Model` (2 decoder layers, GQA 4/2 heads, random weights, bf16 as `od_config.dtype`).
+
+Stubbed, and why: `__init__` builds only those modules (the checkpoint's config, tokenizer, Siglip2 vision
+tower and VAE are not here); `forward` replaces `prepare_model_inputs`' tokenizer by the layout it produces: per
+CFG row `[prompt | <timestep> | image | <eoi>]`, rows RIGHT-padded to the longest (the conditional and the
+unconditional prompt differ in length); the VAE decode returns the latents.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import vllm_omni_cpu
+
+#: image 8x8 pixels, VAE factor 4, patch 1: 2x2 latent tokens; prompts (conditional, unconditional) per request
+IMAGE, LATENT_HW = 8, (2, 2)
+
+
+def tiny_config():
+    return vllm_omni_cpu.tiny_hunyuan_config(num_hidden_layers=2, vae={"latent_channels": 4},
+                                             vae_downsample_factor=(4, 4), patch_size=1, patch_embed_hidden_dim=32)
+
+
+class _LatentsVae(nn.Module):
+    """The VAE slot: `decode` returns the latents (the image is not what is compared)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(scaling_factor=None, shift_factor=None)
+        self.device = torch.device("cpu")
+
+    def decode(self, latents, return_dict=False, generator=None):
+        return (latents.float(),)
+
+
+def _pipeline_class():
+    vllm_omni_cpu.install()
+    from transformers import GenerationConfig
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.models.hunyuan_image3 import hunyuan_image3_transformer as ht
+    from vllm_omni.diffusion.models.hunyuan_image3.pipeline_hunyuan_image3 import HunyuanImage3Pipeline
+
+    class TinyHunyuanImage3Pipeline(HunyuanImage3Pipeline):
+        """`HunyuanImage3Pipeline` over a tiny model, fed the tokenizer's layout (see the module docstring)."""
+
+        def __init__(self, od_config, hf_config) -> None:
+            ht.HunyuanImage3PreTrainedModel.__init__(self, hf_config)
+            self.hf_config, self.od_config = hf_config, od_config
+            self.generation_config = GenerationConfig(flow_shift=3.0)
+            self.model = ht.HunyuanImage3Model(hf_config)
+            self.transformer = self.model
+            self.vae = _LatentsVae()
+            self._pipeline = None
+            hidden, latent = hf_config.hidden_size, hf_config.vae["latent_channels"]
+            self.timestep_emb = ht.TimestepEmbedder(hidden_size=hidden)
+            self.patch_embed = ht.UNetDown(patch_size=hf_config.patch_size, emb_channels=hidden, in_channels=latent,
+                                           hidden_channels=hf_config.patch_embed_hidden_dim, out_channels=hidden)
+            self.time_embed = ht.TimestepEmbedder(hidden_size=hidden)
+            self.final_layer = ht.UNetUp(patch_size=hf_config.patch_size, emb_channels=hidden, in_channels=hidden,
+                                         hidden_channels=hf_config.patch_embed_hidden_dim, out_channels=latent,
+                                         out_norm=True)
+            self.time_embed_2 = ht.TimestepEmbedder(hidden_size=hidden)
+            self.vllm_config = vllm_omni_cpu.vllm_config()
+
+        def forward(self, req, **kwargs):
+            """`HunyuanImage3Pipeline.forward` with the tokenizer's output handed in (`extra_args`)."""
+            extra = req.sampling_params.extra_args
+            outputs = self._generate(**model_inputs(extra["prompt_ids"], extra["seed"], extra.get("steps", 3)))
+            return DiffusionOutput(output={"payload": {"image": outputs[0]}, "metadata": {}})
+
+    return TinyHunyuanImage3Pipeline
+
+
+def model_inputs(prompt_ids: list[torch.Tensor], seed: int, steps: int) -> dict[str, Any]:
+    """What `prepare_model_inputs` returns for one prompt and its CFG pair (`prompt_ids`: per row, the tokens
+    before <timestep>), right-padded; `batch_gen_image_info` is the generated image's `ImageInfo`."""
+    from vllm_omni.diffusion.models.hunyuan_image3 import hunyuan_image3_transformer as ht
+
+    h, w = LATENT_HW
+    hw, lens = h * w, [int(p.numel()) for p in prompt_ids]
+    S = max(lens) + 1 + hw + 1
+    ids = torch.zeros(len(lens), S, dtype=torch.long)  # pad id 0
+    image_mask = torch.zeros(len(lens), S, dtype=torch.bool)
+    slices, rope = [], []
+    for r, (p, tokens) in enumerate(zip(lens, prompt_ids)):
+        ids[r, :p] = tokens
+        ids[r, p:p + hw + 2] = torch.tensor([1] + [2] * hw + [3])  # <timestep>, image placeholders, <eoi>
+        image = slice(p + 1, p + 1 + hw)
+        image_mask[r, image] = True
+        slices.append([image])
+        rope.append([(image, (h, w))])
+    cos, sin = ht.build_batch_2d_rope(S, tiny_config().attention_head_dim, image_infos=rope)
+    tokenizer_output = types.SimpleNamespace(joint_image_slices=[[] for _ in lens], gen_image_slices=slices)
+    info = ht.ImageInfo(image_type="gen_image", image_width=IMAGE, image_height=IMAGE, token_width=w, token_height=h)
+    return dict(input_ids=ids, position_ids=torch.arange(S).expand(len(lens), -1), past_key_values=None,
+                custom_pos_emb=(cos, sin), mode="gen_image", num_inference_steps=steps, guidance_scale=5.0,
+                image_mask=image_mask, gen_timestep_scatter_index=torch.tensor([[p] for p in lens]),
+                tokenizer_output=tokenizer_output, batch_gen_image_info=[info],
+                generator=torch.Generator().manual_seed(seed))
+
+
+def build_pipeline(od_config, *, seed: int = 0):
+    """A `TinyHunyuanImage3Pipeline` with seeded random weights, in `od_config.dtype` (bf16 as deployed)."""
+    torch.manual_seed(seed)
+    pipeline = _pipeline_class()(od_config, tiny_config())
+    with torch.no_grad():
+        for name, p in pipeline.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("layernorm.weight") else torch.randn_like(p) * 0.2)
+    return pipeline.to(od_config.dtype).eval()
+
+
+def diffusion_config(*, runner_cls: str | None = None, **overrides):
+    """The `OmniDiffusionConfig` of a HunyuanImage-3 deployment (request mode), bf16."""
+    kw: dict[str, Any] = dict(dtype=torch.bfloat16, model_class_name="HunyuanImage3Pipeline", enforce_eager=True)
+    if runner_cls is not None:
+        kw["diffusion_model_runner_cls"] = runner_cls
+    kw.update(overrides)
+    return vllm_omni_cpu.diffusion_config(**kw)
+
+
+def build_runner(pipeline, od_config, *, available_bytes: int | None = None):
+    """The runner `od_config` selects (as the worker resolves it) serving `pipeline`; ours gets its pool from
+    `available_bytes` (the worker's budget after its profile run) unless `kv_cache_memory_bytes` is set."""
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    path = od_config.diffusion_model_runner_cls or "vllm_omni.diffusion.worker.diffusion_model_runner.DiffusionModelRunner"
+    runner_cls = resolve_obj_by_qualname(path)
+    with set_current_vllm_config(vllm_omni_cpu.vllm_config()):
+        runner = runner_cls(vllm_omni_cpu.vllm_config(), od_config, torch.device("cpu"))
+    runner.pipeline = pipeline  # what load_model's loader would produce
+    if hasattr(runner, "attach_paged_kv"):
+        runner.attach_paged_kv(available_bytes=available_bytes)
+    return runner
+
+
+def make_request(request_id: str, prompt_ids: list[torch.Tensor], *, seed: int = 0, steps: int = 3,
+                 cancellation_signal: str | None = None):
+    """An `OmniDiffusionRequest` carrying the tokenizer's output for one prompt and its CFG pair."""
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    params = OmniDiffusionSamplingParams(extra_args={"prompt_ids": prompt_ids, "seed": seed, "steps": steps})
+    req = OmniDiffusionRequest(prompt="tiny", sampling_params=params, request_id=request_id)
+    req.cancellation_signal = cancellation_signal
+    return req
+
+
+def serve(runner, req):
+    """`execute_model` inside the vLLM config the worker runs under."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_omni_cpu.vllm_config()):
+        return runner.execute_model(req)
