@@ -19,8 +19,9 @@ unconditional prompt differ in length); the VAE decode returns the latents.
 
 from __future__ import annotations
 
+import contextlib
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -112,6 +113,39 @@ def model_inputs(prompt_ids: list[torch.Tensor], seed: int, steps: int) -> dict[
                 image_mask=image_mask, gen_timestep_scatter_index=torch.tensor([[p] for p in lens]),
                 tokenizer_output=tokenizer_output, batch_gen_image_info=[info],
                 generator=torch.Generator().manual_seed(seed))
+
+
+class _CpuAutocastOff(torch.autocast):
+    """`torch.autocast` with CPU autocast left off (CUDA untouched)."""
+
+    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        if device_type == "cpu":
+            kwargs["enabled"] = False
+        super().__init__(device_type, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def fp32_pipeline() -> Iterator[None]:
+    """The pipeline's denoise loop in fp32 end to end (the oracle's dtype), for the block: its latents keep the
+    requested dtype instead of `prepare_latents(dtype=torch.bfloat16)`, CPU autocast stays off (its loop enters
+    `torch.autocast("cpu", bfloat16)`, its decode float16) and the 2-D RoPE keeps fp32
+    (`vllm_omni_cpu.hunyuan_fp32_rope`). Every other line of the pipeline runs as written."""
+    from vllm_omni.diffusion.models.hunyuan_image3.hunyuan_image3_transformer import HunyuanImage3Text2ImagePipeline
+
+    prepare = HunyuanImage3Text2ImagePipeline.prepare_latents
+
+    def prepare_fp32(self, batch_size, latent_channel, image_size, dtype, device, generator, latents=None):
+        return prepare(self, batch_size, latent_channel, image_size, torch.float32, device, generator, latents)
+
+    saved_autocast = torch.autocast
+    HunyuanImage3Text2ImagePipeline.prepare_latents = prepare_fp32
+    torch.autocast = _CpuAutocastOff
+    try:
+        with vllm_omni_cpu.hunyuan_fp32_rope():
+            yield
+    finally:
+        torch.autocast = saved_autocast
+        HunyuanImage3Text2ImagePipeline.prepare_latents = prepare
 
 
 def build_pipeline(od_config, *, seed: int = 0):
