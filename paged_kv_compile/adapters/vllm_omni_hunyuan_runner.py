@@ -97,6 +97,13 @@ class HunyuanServing:
                                           fullgraph=True, dynamic=False)
         return serving
 
+    def close(self) -> None:
+        """Detach (reinitialization): the request in flight, if any, is aborted, the model's forward is its own
+        again and the runtime lets go of the layers."""
+        self._end(abort=True)
+        self.model.__dict__.pop("forward", None)
+        self.runtime.close()
+
     # ---- one request ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def serving(self, request_id: str) -> Iterator[None]:
@@ -177,6 +184,9 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
         """Build our pool for the loaded pipeline: `kv_cache_memory_bytes` when set (as vllm-omni's worker),
         else `available_bytes` (the budget after the profile run), else the device's free memory times
         `gpu_memory_utilization`."""
+        if self.paged_kv is not None:  # reinitialization: the old pool lets go first
+            self.paged_kv.close()
+            self.paged_kv = None
         if getattr(self.od_config, "step_execution", False):
             raise ConfigError("PagedKVHunyuanModelRunner serves request mode (step_execution=False) today")
         override = getattr(getattr(self.vllm_config, "cache_config", None), "kv_cache_memory_bytes", None)

@@ -166,3 +166,50 @@ def test_hunyuan_runner_bf16_within_the_dense_compile_floor(omni):
     # (3 denoising steps amplify a rounding); each is compared with eager, so their distances are of one size but
     # not ordered: within twice what compiling the dense model changes (at least one bf16 step).
     assert all(steps[name] <= 2 * max(floor[name], 1.0) for name in steps), (steps, floor)
+
+
+def test_hunyuan_runner_pool_sizing_rows_and_reinitialization(omni):
+    """The pool as vllm-omni sizes its own: `kv_cache_memory_bytes` wins over the profiled budget; a request with
+    more CFG rows than `diffusion_kv_max_rows_per_request` is an error output naming the setting; bad options
+    are refused; a reinitialized runner serves from a new pool and the old one lets go."""
+    from vllm.config import CacheConfig
+
+    requests = {"done-1": _requests()["done-1"]}
+    with hr.fp32_pipeline():
+        dense = _dense_outputs(omni, requests, dtype=torch.float32)["done-1"]
+
+        od = hr.diffusion_config(dtype=torch.float32, runner_cls=RUNNER_PATH, model_config=OURS,
+                                 diffusion_kv_max_rows_per_request=1)
+        with omni.model_context(od):
+            runner = hr.build_runner(hr.build_pipeline(od), od, available_bytes=BUDGET)
+            assert runner.paged_kv.runtime.config.max_rows == 1
+            out = hr.serve(runner, _request(requests, "done-1"))
+            assert out.error and "2 CFG rows" in out.error and "diffusion_kv_max_rows_per_request=1" in out.error
+            assert _pool_at_baseline(runner.paged_kv.runtime)
+
+            # kv_cache_memory_bytes (the worker's override) beats the profiled budget
+            saved, runner.vllm_config.cache_config = runner.vllm_config.cache_config, CacheConfig(
+                kv_cache_memory_bytes=BUDGET // 2)
+            try:
+                small = runner.attach_paged_kv(available_bytes=BUDGET).runtime
+            finally:
+                runner.vllm_config.cache_config = saved
+            assert small.pool.nbytes <= BUDGET // 2 < runner.attach_paged_kv(available_bytes=BUDGET).runtime.pool.nbytes
+
+        with pytest.raises(Exception, match="unknown keys"):
+            bad = hr.diffusion_config(dtype=torch.float32, runner_cls=RUNNER_PATH,
+                                      model_config={"paged_kv": {"kernal": "reference"}})
+            with omni.model_context(bad):
+                hr.build_runner(hr.build_pipeline(bad), bad, available_bytes=BUDGET)
+
+        od = hr.diffusion_config(dtype=torch.float32, runner_cls=RUNNER_PATH, model_config=OURS)
+        with omni.model_context(od):
+            runner = hr.build_runner(hr.build_pipeline(od), od, available_bytes=BUDGET)
+            first = runner.paged_kv
+            out = hr.serve(runner, _request(requests, "done-1"))
+            assert float((out.output["payload"]["image"] - dense).abs().max()) <= ATOL
+            runner.attach_paged_kv(available_bytes=BUDGET)  # reinitialization
+            assert runner.paged_kv is not first and first.owner_id is None and _pool_at_baseline(first.runtime)
+            out = hr.serve(runner, _request(requests, "done-1"))
+            assert float((out.output["payload"]["image"] - dense).abs().max()) <= ATOL
+            assert _pool_at_baseline(runner.paged_kv.runtime)
