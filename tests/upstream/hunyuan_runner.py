@@ -5,16 +5,17 @@ The closest real objects of vllm-omni's HunyuanImage-3 stack that run here (vllm
 * the runner is the package's `DiffusionModelRunner` (or the subclass `diffusion_model_runner_cls` names), built by
   its own constructor; `load_model` is replaced by handing it the pipeline (loading reads an 80B checkpoint);
   `execute_model(request)` serves requests as the worker calls it;
-* the pipeline is `HunyuanImage3Pipeline` with everything from `_generate` down unchanged: the denoise loop of
+* the pipeline is `HunyuanImage3Pipeline` with everything but its tokenizer unchanged (`forward`, `_generate`): the denoise loop of
   `HunyuanImage3Text2ImagePipeline.__call__` (its scheduler, bf16 latents and autocast, CFG), the pipeline's
   `_prepare_attention_mask_for_generation`, `prepare_inputs_for_generation`, `forward_call`,
   `_update_model_kwargs_for_generation`, `instantiate_*_tokens`, `ragged_final_layer`, and the real
   `HunyuanImage3Model` (2 decoder layers, GQA 4/2 heads, random weights, bf16 as `od_config.dtype`).
 
 Stubbed, and why: `__init__` builds only those modules (the checkpoint's config, tokenizer, Siglip2 vision
-tower and VAE are not here); `forward` replaces `prepare_model_inputs`' tokenizer by the layout it produces: per
-CFG row `[prompt | <timestep> | image | <eoi>]`, rows RIGHT-padded to the longest (the conditional and the
-unconditional prompt differ in length); the VAE decode returns the latents.
+tower and VAE are not here); `prepare_model_inputs` (the tokenizer) returns the layout it produces: per CFG row
+`[prompt | <timestep> | image | <eoi>]`, rows RIGHT-padded to the longest (the conditional and the unconditional
+prompt differ in length), the request's prompt text carrying both rows' token ids; the VAE decode returns the
+latents. `forward`, `prepare_encode`, `denoise_step`, `step_scheduler` and `post_decode` are the package's.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ class _LatentsVae(nn.Module):
 def _pipeline_class():
     vllm_omni_cpu.install()
     from transformers import GenerationConfig
-    from vllm_omni.diffusion.data import DiffusionOutput
     from vllm_omni.diffusion.models.hunyuan_image3 import hunyuan_image3_transformer as ht
     from vllm_omni.diffusion.models.hunyuan_image3.pipeline_hunyuan_image3 import HunyuanImage3Pipeline
 
@@ -78,16 +78,26 @@ def _pipeline_class():
             self.time_embed_2 = ht.TimestepEmbedder(hidden_size=hidden)
             self.vllm_config = vllm_omni_cpu.vllm_config()
 
-        def forward(self, req, **kwargs):
-            """`HunyuanImage3Pipeline.forward` with the tokenizer's output handed in (`extra_args`)."""
-            extra = req.sampling_params.extra_args
-            outputs = self._generate(**model_inputs(extra["prompt_ids"], extra["seed"], extra.get("steps", 3)))
-            return DiffusionOutput(output={"payload": {"image": outputs[0]}, "metadata": {}})
+        def prepare_model_inputs(self, prompt=None, generator=None, image_size=None, num_inference_steps=50,
+                                 guidance_scale=5.0, **_unused):
+            """The tokenizer's output for the prompt (`prompt_text`: the token ids of the conditional and the
+            unconditional prompt) with the keys `prepare_model_inputs` returns."""
+            text = prompt[0] if isinstance(prompt, list) else prompt
+            return model_inputs(prompt_ids_of(text), generator, num_inference_steps, guidance_scale)
 
     return TinyHunyuanImage3Pipeline
 
 
-def model_inputs(prompt_ids: list[torch.Tensor], seed: int, steps: int) -> dict[str, Any]:
+def prompt_text(prompt_ids: list[torch.Tensor]) -> str:
+    """A request's prompt as this tiny tokenizer reads it: each CFG row's token ids, rows split by '|'."""
+    return "|".join(" ".join(str(int(t)) for t in row) for row in prompt_ids)
+
+
+def prompt_ids_of(text: str) -> list[torch.Tensor]:
+    return [torch.tensor([int(t) for t in row.split()]) for row in text.split("|")]
+
+
+def model_inputs(prompt_ids: list[torch.Tensor], generator, steps: int, guidance_scale: float) -> dict[str, Any]:
     """What `prepare_model_inputs` returns for one prompt and its CFG pair (`prompt_ids`: per row, the tokens
     before <timestep>), right-padded; `batch_gen_image_info` is the generated image's `ImageInfo`."""
     from vllm_omni.diffusion.models.hunyuan_image3 import hunyuan_image3_transformer as ht
@@ -109,10 +119,10 @@ def model_inputs(prompt_ids: list[torch.Tensor], seed: int, steps: int) -> dict[
     tokenizer_output = types.SimpleNamespace(joint_image_slices=[[] for _ in lens], gen_image_slices=slices)
     info = ht.ImageInfo(image_type="gen_image", image_width=IMAGE, image_height=IMAGE, token_width=w, token_height=h)
     return dict(input_ids=ids, position_ids=torch.arange(S).expand(len(lens), -1), past_key_values=None,
-                custom_pos_emb=(cos, sin), mode="gen_image", num_inference_steps=steps, guidance_scale=5.0,
+                custom_pos_emb=(cos, sin), mode="gen_image", num_inference_steps=steps, guidance_scale=guidance_scale,
                 image_mask=image_mask, gen_timestep_scatter_index=torch.tensor([[p] for p in lens]),
                 tokenizer_output=tokenizer_output, batch_gen_image_info=[info],
-                generator=torch.Generator().manual_seed(seed))
+                generator=generator)
 
 
 class _CpuAutocastOff(torch.autocast):
@@ -189,8 +199,9 @@ def make_request(request_id: str, prompt_ids: list[torch.Tensor], *, seed: int =
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-    params = OmniDiffusionSamplingParams(extra_args={"prompt_ids": prompt_ids, "seed": seed, "steps": steps})
-    req = OmniDiffusionRequest(prompt="tiny", sampling_params=params, request_id=request_id)
+    params = OmniDiffusionSamplingParams(seed=seed, num_inference_steps=steps,
+                                         height=IMAGE, width=IMAGE, guidance_scale=5.0)
+    req = OmniDiffusionRequest(prompt=prompt_text(prompt_ids), sampling_params=params, request_id=request_id)
     req.cancellation_signal = cancellation_signal
     return req
 
