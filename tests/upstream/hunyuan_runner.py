@@ -66,6 +66,7 @@ def _pipeline_class():
             self.model = ht.HunyuanImage3Model(hf_config)
             self.transformer = self.model
             self.vae = _LatentsVae()
+            self._tkwrapper = types.SimpleNamespace(pad_token_id=0)  # the tokenizer: its pad id, as model_inputs pads
             self._pipeline = None
             hidden, latent = hf_config.hidden_size, hf_config.vae["latent_channels"]
             self.timestep_emb = ht.TimestepEmbedder(hidden_size=hidden)
@@ -212,3 +213,18 @@ def serve(runner, req):
 
     with set_current_vllm_config(vllm_omni_cpu.vllm_config()):
         return runner.execute_model(req)
+
+
+def tick(runner, step_id: int, new=(), cached=(), finished=()):
+    """One `execute_stepwise` call, as the engine's step scheduler builds it: `new` requests admitted this tick,
+    `cached` ones advanced, `finished` ones dropped; returns {request_id: RunnerOutput}."""
+    from vllm.config import set_current_vllm_config
+    from vllm_omni.diffusion.sched.interface import CachedRequestData, DiffusionSchedulerOutput, NewRequestData
+
+    out = DiffusionSchedulerOutput(
+        step_id=step_id, scheduled_new_reqs=[NewRequestData(request_id=r.request_id, req=r) for r in new],
+        scheduled_cached_reqs=CachedRequestData(request_ids=list(cached)), finished_req_ids=set(finished),
+        num_running_reqs=len(new) + len(cached), num_waiting_reqs=0,
+    )
+    with set_current_vllm_config(vllm_omni_cpu.vllm_config()):
+        return {o.request_id: o for o in runner.execute_stepwise(out).runner_outputs}

@@ -213,3 +213,50 @@ def test_hunyuan_runner_pool_sizing_rows_and_reinitialization(omni):
             out = hr.serve(runner, _request(requests, "done-1"))
             assert float((out.output["payload"]["image"] - dense).abs().max()) <= ATOL
             assert _pool_at_baseline(runner.paged_kv.runtime)
+
+
+STEP_MODE = dict(step_execution=True, max_num_seqs=2,
+                 diffusion_attention_config={"default": {"backend": "TORCH_SDPA"}})  # as its grouped batching needs
+
+
+def test_hunyuan_runner_step_batching_requests_at_different_steps(omni):
+    """`step_execution=True, max_num_seqs=2`: request a starts at tick 0, b at tick 1; at tick 2 a's last step and
+    b's second run as ONE forward of 4 rows; each finished image equals the request served alone (fp32, 1e-5).
+    Refused with an error output, nothing admitted: CFG rows of different lengths (vllm-omni's step code cannot
+    split them) and a prompt length other than the one in flight (its step merge then changes the numbers)."""
+    requests = {"a": (_prompts(0, lens=(6, 6)), 0), "b": (_prompts(1, lens=(6, 6)), 1)}
+    with hr.fp32_pipeline():
+        alone = _dense_outputs(omni, {f"done-{k}": v for k, v in requests.items()}, dtype=torch.float32)
+        od = hr.diffusion_config(dtype=torch.float32, runner_cls=RUNNER_PATH, model_config=OURS, **STEP_MODE)
+        with omni.model_context(od):
+            runner = hr.build_runner(hr.build_pipeline(od), od, available_bytes=BUDGET)
+            runtime = runner.paged_kv.runtime
+            rows_per_forward = []
+            hook = runner.pipeline.model.register_forward_hook(
+                lambda m, a, k, o: rows_per_forward.append(int(k["attention_mask"].shape[0])), with_kwargs=True)
+            a, b = (_request(requests, name) for name in ("a", "b"))
+            done = {}
+            for step_id, work in enumerate([dict(new=[a]), dict(new=[b], cached=["a"]), dict(cached=["a", "b"]),
+                                            dict(cached=["b"])]):
+                before = len(rows_per_forward)
+                out = hr.tick(runner, step_id, **work)
+                done.update({rid: o.result for rid, o in out.items() if o.finished})
+                if step_id == 2:
+                    assert rows_per_forward[before:] == [4], rows_per_forward  # a (step 2) and b (step 1): one forward
+                assert all(o.result is None or o.result.error is None for o in out.values())
+            hook.remove()
+            assert _pool_at_baseline(runtime)
+
+            refused = {"ragged-cfg": _prompts(2, lens=(7, 4)), "other-length": _prompts(3, lens=(5, 5))}
+            c = _request({"c": (_prompts(4, lens=(6, 6)), 4)}, "c")
+            out = hr.tick(runner, 10, new=[c])  # c in flight, 6-token prompts
+            for step_id, (name, prompts) in enumerate(refused.items()):
+                out = hr.tick(runner, 11 + step_id, new=[hr.make_request(name, prompts, seed=5)], cached=["c"])
+                assert out[name].finished and out[name].result.error, out
+                assert ("different prompt lengths" if name == "ragged-cfg" else "in flight") in out[name].result.error
+            hr.tick(runner, 20, finished=["c"])  # the scheduler drops c (cancelled): its rows are freed
+            assert _pool_at_baseline(runtime)
+
+    errs = {k: float((r.output["payload"]["image"] - alone[f"done-{k}"]).abs().max()) for k, r in done.items()}
+    print(f"step batching vs each request alone (fp32): {errs}")
+    assert sorted(errs) == ["a", "b"] and max(errs.values()) <= ATOL, errs
