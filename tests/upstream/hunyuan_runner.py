@@ -228,3 +228,32 @@ def tick(runner, step_id: int, new=(), cached=(), finished=()):
     )
     with set_current_vllm_config(vllm_omni_cpu.vllm_config()):
         return {o.request_id: o for o in runner.execute_stepwise(out).runner_outputs}
+
+
+def serve_on_rank(full_weights: dict[str, torch.Tensor], prompt_ids: list[torch.Tensor], seed: int,
+                  model_config: dict | None, available_bytes: int | None) -> dict[str, Any]:
+    """A rank task (`multirank.RankPool.run`): this rank's pipeline (tensor-parallel layers at the rank's TP
+    size) loaded with the one-rank weights, served one fp32 request by the runner `model_config` selects (ours
+    when given, else the plain dense runner); returns the image and, for ours, the pool's bytes and KV heads."""
+    from .multirank import load_full_weights, rank_info
+
+    from paged_kv_compile.adapters.vllm_omni_hunyuan_runner import RUNNER_PATH
+
+    with fp32_pipeline():
+        od = diffusion_config(dtype=torch.float32, **({"runner_cls": RUNNER_PATH, "model_config": model_config}
+                                                      if model_config is not None else {}))
+        with vllm_omni_cpu.model_context(od):
+            pipeline = build_pipeline(od)
+            load_full_weights(pipeline, full_weights)
+            runner = build_runner(pipeline, od, available_bytes=available_bytes)
+            out = serve(runner, make_request("r", prompt_ids, seed=seed))
+            if out.error:
+                raise RuntimeError(out.error)
+            report = {"image": out.output["payload"]["image"], **rank_info()}
+            if model_config is not None:
+                runtime = runner.paged_kv.runtime
+                report.update(pool_bytes=runtime.pool.nbytes, blocks=runtime.pool.blocks_per_layer,
+                              kv_heads=runtime.config.num_kv_heads,
+                              rows=runtime.config.max_rows, at_baseline=runtime.owner_ids() == []
+                              and runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer)
+            return report
