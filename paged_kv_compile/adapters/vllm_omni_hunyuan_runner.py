@@ -18,6 +18,11 @@ aborted when it raises (an error inside a forward) or is cancelled (checked at e
 request-mode HunyuanImage-3 request is cancellable between steps). A request the pool cannot hold finishes with
 an error output naming the capacity; the engine serves the next one.
 
+Step execution (`step_execution=True`, `max_num_seqs > 1`, which vllm-omni refuses with its paged KV): each
+`execute_stepwise` tick runs one forward per step group of the pipeline (`_denoise_step_group`); a request is
+admitted right after `prepare_encode`, one runtime owner per CFG row, so that one `forward_batch` carries the
+group's branch-major rows; released when it finishes, aborted when the scheduler drops it (`finished_req_ids`).
+
 The pool is sized as vllm-omni sizes its own Diffusion KV: `vllm_config.cache_config.kv_cache_memory_bytes`
 when set, else the budget the worker measured after its profile run (`available_bytes`); the rows one request
 may hold are `od_config.diffusion_kv_max_rows_per_request` (default: 2, the CFG pair).
