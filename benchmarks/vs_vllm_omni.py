@@ -6,7 +6,11 @@ window reset) through `DreamZeroPipeline`'s own KV and denoising methods on a ti
 (tests/upstream/dreamzero_runner.py says what is stubbed). The three columns differ only in the runner's KV:
 dense caches (the model's dense path, the oracle), vllm-omni's `ARDiffusionKVCache` (vLLM's KVCacheManager and
 its CPU reference attention), and `PagedKVARDiffusionModelRunner` (our runtime, selected by
-`diffusion_model_runner_cls`).
+`diffusion_model_runner_cls`). Two more rows of ours: "paged_kv graphs" (`cuda_graphs: block`: warm-up and
+capture at startup, serving by replay; on this CPU the replay runs only the recorded compiled graphs) and
+"paged_kv fp8" (an e4m3 pool, scales 0.02 set at startup); "startup s" is building the runner (for the graphs row,
+the warm-up requests and the capture), "1st req s" the first served request, "steady req s" the median request of
+the timed passes.
 
 HunyuanImage-3: vllm-omni's `HunyuanImage3DecoderLayer` x2, two right-padded CFG rows, a prefill and 3 steps,
 bf16 under CPU autocast as its pipeline runs (tests/upstream/hunyuan_pipeline.py). Dense eager; vllm-omni's own
@@ -23,7 +27,7 @@ recompiles are dynamo's counters for the whole run. Host time per forward: wall 
 inside the KV layer's calls (get/prepare/commit/close) per forward. Memory at the real sizes comes from each
 system's own sizing code (vllm-omni's `ARDiffusionKVCache` built without a device, our `plan_budget`).
 
-    python -m benchmarks.vs_vllm_omni [--json] [--no-compile] [--repeats 3] [--threads 1]
+    python -m benchmarks.vs_vllm_omni [--json] [--no-compile] [--repeats 3] [--threads 1] [--dreamzero-only]
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ from benchmarks._common import bench_settings, format_table, machine_info  # noq
 
 GiB = 2**30
 COLUMNS = ("dense", "vllm-omni", "paged_kv")
+#: rows of ours with more runner options (model_config["paged_kv"]), after the three columns
+OUR_VARIANTS = {"paged_kv": {}, "paged_kv graphs": {"cuda_graphs": "block"},
+                "paged_kv fp8": {"kv_dtype": "float8_e4m3fn", "kv_scales": {"k": 0.02, "v": 0.02}}}
 DZ_CALLS = 5
 DZ_RESET_AT = (2,)  # an explicit reset request (extra_args["reset"]); the window resets on its own at call 4
 SETUP_COMPILE_DIT = {"mode": "default", "fullgraph": True, "dynamic": False}  # pipeline_dreamzero.py setup_compile
@@ -123,7 +130,7 @@ def _kv_methods(column: str) -> list[tuple[type, str]]:
     if column == "vllm-omni":
         return [(ARDiffusionKVState, "get_kv_caches"), (ARDiffusionPagedForwardContext, "prepare"),
                 (ARDiffusionKVState, "commit_paged_context")]
-    if column == "paged_kv":
+    if column in OUR_VARIANTS:
         return [(ours.PagedKVSessionState, "get_kv_caches"), (ours._BranchForward, "prepare"),
                 (ours.PagedKVSessionState, "commit_paged_context"), (ours.PagedKVSessionState, "end_invocation")]
     return [(dr.DenseSessionState, "get_kv_caches"), (dr._DenseForward, "prepare"),
@@ -137,8 +144,9 @@ def dreamzero_column(column: str, *, compiled: bool, oracle: list[dict] | None, 
     from paged_kv_compile.adapters.vllm_omni_ar_runner import RUNNER_PATH
 
     geometry = dr.TinyGeometry()
-    runner_cls = {"dense": dr.DENSE_RUNNER, "vllm-omni": None, "paged_kv": RUNNER_PATH}[column]
-    model_config = {"paged_kv": {"inner_compiler": "inductor" if compiled else "aot_eager"}}
+    runner_cls = {"dense": dr.DENSE_RUNNER, "vllm-omni": None}.get(column, RUNNER_PATH)
+    model_config = {"paged_kv": {"inner_compiler": "inductor" if compiled else "aot_eager",
+                                 **OUR_VARIANTS.get(column, {})}}
     od = dr.diffusion_config(runner_cls=runner_cls, enforce_eager=not compiled, model_config=model_config)
     inputs = dr.request_inputs(geometry, DZ_CALLS)
 
@@ -150,18 +158,25 @@ def dreamzero_column(column: str, *, compiled: bool, oracle: list[dict] | None, 
         _fresh_dynamo()
         with omni.model_context(od):
             pipeline = dr.build_pipeline(geometry, od)
-            if compiled and column != "paged_kv":  # ours compiles the blocks itself (vllm_omni_ar_runner)
+            if compiled and column not in OUR_VARIANTS:  # ours compiles the blocks itself (vllm_omni_ar_runner)
                 for block in pipeline.transformer.blocks:
                     block.forward = torch.compile(block.forward, **SETUP_COMPILE_DIT)
+            t0 = time.perf_counter()
             runner = dr.build_runner(pipeline, od, available_bytes=8 * GiB)
+            startup_s = time.perf_counter() - t0
         forwards = [0]
         pipeline.transformer.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        request_s: list[float] = []
         t0 = time.perf_counter()
         with omni.model_context(od):
-            outs = dr.serve(runner, plan("first"))
+            outs = []
+            for req in plan("first"):
+                t1 = time.perf_counter()
+                outs += dr.serve(runner, [req])
+                request_s.append(time.perf_counter() - t1)
         first_s = time.perf_counter() - t0
         stats = _compile_stats()
-        per_forward, kv_host = [], []
+        per_forward, kv_host, steady = [], [], []
         for r in range(repeats):
             forwards[0], kv_total = 0, [0.0]
             with _timed(_kv_methods(column), kv_total), omni.model_context(od):
@@ -169,13 +184,18 @@ def dreamzero_column(column: str, *, compiled: bool, oracle: list[dict] | None, 
                 again = dr.serve(runner, plan(f"timed{r}"))
                 wall = time.perf_counter() - t0
             per_forward.append(1e3 * wall / forwards[0])
+            steady.append(wall / DZ_CALLS)
             kv_host.append(1e6 * kv_total[0] / forwards[0])
         after = _compile_stats()
+    graphs = getattr(runner, "graphs", None)
     row = {"column": column, "mode": "compiled" if compiled else "eager", "forwards": forwards[0],
-           "first_pass_s": round(first_s, 2), "ms_per_forward": _median(per_forward),
+           "first_pass_s": round(first_s, 2), "startup_s": round(startup_s, 2),
+           "first_request_s": round(request_s[0], 3), "steady_request_s": _median(steady),
+           "ms_per_forward": _median(per_forward),
            "ms_per_forward_min": round(min(per_forward), 3), "kv_host_us_per_forward": _median(kv_host),
            **stats, "compiled_in_timed_passes": after["frames"] - stats["frames"],
-           "kv": type(runner.kv_cache).__name__, "repeat_equals_first": _max_err(again, outs) == 0.0}
+           "kv": type(runner.kv_cache).__name__, "repeat_equals_first": _max_err(again, outs) == 0.0,
+           "replays": graphs.stats["replays"] if graphs is not None else 0}
     if oracle is not None:
         row["max_abs_err_vs_dense_eager"] = _max_err(outs, oracle)
     return row, outs
@@ -190,10 +210,11 @@ def dreamzero_rows(*, compile_too: bool, repeats: int, threads: int) -> list[dic
     oracle_row, oracle = dreamzero_column("dense", compiled=False, oracle=None, repeats=repeats, threads=threads)
     oracle_row["max_abs_err_vs_dense_eager"] = 0.0
     rows.append(oracle_row)
-    for column in COLUMNS[1:]:
+    ours = (*COLUMNS[1:], *list(OUR_VARIANTS)[1:])
+    for column in ours:
         rows.append(dreamzero_column(column, compiled=False, oracle=oracle, repeats=repeats, threads=threads)[0])
     if compile_too:
-        for column in COLUMNS:
+        for column in (COLUMNS[0], *ours):
             rows.append(dreamzero_column(column, compiled=True, oracle=oracle, repeats=repeats, threads=threads)[0])
     return rows
 
@@ -443,10 +464,10 @@ CAPABILITIES = [
 # ---- main -------------------------------------------------------------------------------------------------------
 
 
-def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1) -> dict:
+def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1, dreamzero_only: bool = False) -> dict:
     dz = dreamzero_rows(compile_too=compile_too, repeats=repeats, threads=threads)
-    windows = frames_by_window() if compile_too else []
-    hy, probe = hunyuan_rows(repeats=repeats, threads=threads)
+    windows = frames_by_window() if compile_too and not dreamzero_only else []
+    hy, probe = ([], None) if dreamzero_only else hunyuan_rows(repeats=repeats, threads=threads)
     return {
         "benchmark": "vs_vllm_omni", "machine": machine_info(threads=threads, repeats=repeats),
         "dreamzero": dz, "dreamzero_frames_by_window": windows, "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
@@ -463,6 +484,10 @@ def print_report(result: dict) -> None:
         ("frames", "frames"), ("recompiles", "recompiles"), ("breaks", "graph_breaks"),
         ("ms/forward", "ms_per_forward"), ("KV host us/fwd", "kv_host_us_per_forward"),
         ("forwards", "forwards"), ("first pass s", "first_pass_s"), ("compiled later", "compiled_in_timed_passes")]))
+    print("\nDreamZero runner: startup, first request and steady state (seconds; replays = captured graph launches)")
+    print(format_table(result["dreamzero"], [
+        ("column", "column"), ("mode", "mode"), ("startup s", "startup_s"), ("1st req s", "first_request_s"),
+        ("steady req s", "steady_request_s"), ("replays", "replays")]))
     if result["dreamzero_frames_by_window"]:
         print("\nDreamZero compiled frames over two window cycles (fullgraph=True, dynamic=False, default recompile "
               "limit)")
@@ -474,6 +499,8 @@ def print_report(result: dict) -> None:
         ("system", "system"), ("pool", "pool"), ("fraction", "gpu_memory_fraction"), ("budget GiB", "budget_gib"),
         ("KV GiB/session", "kv_gib_per_session"), ("cross GiB/session", "cross_gib_per_session"),
         ("sessions", "sessions")]))
+    if result["hunyuan_diffusion_kv_probe"] is None:  # --dreamzero-only
+        return
     print("\nHunyuanImage-3 decoder layers x2 (bf16 autocast, 2 right-padded CFG rows, prefill + 3 steps)")
     print(format_table(result["hunyuan"], [
         ("column", "column"), ("mode", "mode"), ("max |x-dense|", "max_abs_err_vs_dense_eager"),
@@ -500,8 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="eager rows only (skip the Inductor rows)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per row (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads while measuring")
+    parser.add_argument("--dreamzero-only", action="store_true",
+                        help="the DreamZero runner rows and memory only (no window cycles, no HunyuanImage-3)")
     args = parser.parse_args(argv)
-    result = run(compile_too=not args.no_compile, repeats=args.repeats, threads=args.threads)
+    result = run(compile_too=not args.no_compile, repeats=args.repeats, threads=args.threads,
+                 dreamzero_only=args.dreamzero_only)
     print_report(result)
     if args.json:
         print(json.dumps(result, default=str))

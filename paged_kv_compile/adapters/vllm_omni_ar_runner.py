@@ -131,6 +131,9 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
                 self._perf_e2e_times.clear()
         t1 = time.perf_counter()
         graphs = FrameCaptures(transformer.blocks, runtime, examples)
+        # The warm-up requests ran under the base runner's inference mode (inference tensors); the capture's static
+        # buffers are ordinary tensors (their versions are checked), so dynamo compiles each bucket once more here.
+        # Serving replays and calls dynamo no more.
         with torch.compiler.config.patch(dynamic_sources=_dynamic_sources(torch.compiler.config.dynamic_sources)):
             graphs.warmup()
         graphs.install()
