@@ -12,10 +12,10 @@ import torch
 
 from paged_kv_compile.adapters.vllm_omni_ar_runner import RUNNER_PATH
 from paged_kv_compile.capture import CompiledOnlyGraphs, unique_graphs
-from paged_kv_compile.errors import ConfigError
+from paged_kv_compile.errors import ConfigError, RequestError
 
 from . import dreamzero_runner as dr
-from .test_vs_vllm_omni_runner import GEOMETRY, OURS, _requests, _runner, _serve
+from .test_vs_vllm_omni_runner import GEOMETRY, OURS, TWO_SESSIONS, _requests, _runner, _serve
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -69,3 +69,35 @@ def test_forward_graphs_are_refused_with_the_reason(omni):
         _runner(omni, RUNNER_PATH, model_config={"paged_kv": {**OURS["paged_kv"], "cuda_graphs": "forward"}})
     with pytest.raises(ConfigError, match="choose one of none, block, forward"):
         _runner(omni, RUNNER_PATH, model_config={"paged_kv": {**OURS["paged_kv"], "cuda_graphs": "yes"}})
+
+
+def test_a_host_check_refusing_before_a_replay_fails_the_request_closed(omni):
+    """The per-call checks run before each replay: one that refuses (injected once into the runtime's layout check,
+    which every compiled DreamZero call makes) stops the forward before its graph runs; the runner releases the
+    session, the runtime rolls back with the pool's bytes untouched, and the next request is served bit-exact."""
+    runner, od = _runner(omni, RUNNER_PATH, model_config=GRAPHS, available_bytes=TWO_SESSIONS)
+    runtime, graphs = runner.kv_cache.runtime, runner.graphs
+    assert runner._session_capacity == 2  # "a" stays while "b" comes and goes
+    inputs = dr.request_inputs(GEOMETRY, 1, seed=3)
+    _serve(omni, runner, od, _requests("a", inputs))
+    def live():  # the runtime's state less its record of used-up ids (b's admission is one)
+        return {k: v for k, v in runtime.state().items() if k != "finished"}
+
+    pool, state, replays = runtime.pool.tensor.clone(), live(), graphs.stats["replays"]
+    check = runtime.check_layout
+
+    def refuse_once(expect):
+        runtime.check_layout = check
+        raise RequestError("injected: the session's layout does not match the compiled site")
+
+    runtime.check_layout = refuse_once
+    with pytest.raises(RequestError, match="injected"):
+        _serve(omni, runner, od, _requests("b", inputs))
+    assert graphs.stats["replays"] == replays, "the refusing call's graph never ran"
+    assert "b" not in runner._sessions and runtime.active is None and live() == state
+    assert torch.equal(runtime.pool.tensor, pool), "nothing was written"
+    again = _serve(omni, runner, od, _requests("b", inputs, 1))
+    dense_runner, dense_od = _runner(omni, dr.DENSE_RUNNER)
+    want = _serve(omni, dense_runner, dense_od, _requests("b", inputs))
+    for key in ("video", "actions"):
+        assert torch.equal(again[0][key], want[0][key]), key
