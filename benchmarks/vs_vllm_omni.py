@@ -432,13 +432,14 @@ CAPABILITIES = [
     {"capability": "several sessions in one forward",
      "vllm-omni": "no: max_num_seqs=1 and request batches refused (runner.py:108-119, 336-344); the model "
                   "requires batch 1 on the paged path (causal_wan_model.py:1010-1011)",
-     "paged_kv": "yes: runtime.forward_batch (tests/test_batched.py); the runner adapter runs one branch per "
-                 "forward, as the pipeline calls it"},
+     "paged_kv": "yes: runtime.forward_batch (tests/test_batched.py); not through the runner: vllm-omni can hand "
+                 "it several requests (execute_model_batch), but DreamZero's pipeline runs one session per forward "
+                 "and its model refuses batch > 1 on the paged path (docs/vs_vllm_omni.md: the upstream change)"},
     {"capability": "FP8 KV pool",
      "vllm-omni": "no: pool dtype is od_config.dtype (runner.py:141); the op casts K/V to it with no scale "
                   "(kv_cache/paged_attention.py:683-684)",
-     "paged_kv": "yes: PagedKVConfig(kv_dtype=float8_*) with per-(layer, head) scales (README, FP8 pool); "
-                 "not exposed by the runner adapter's options yet"},
+     "paged_kv": "yes: PagedKVConfig(kv_dtype=float8_*) with per-(layer, head) scales; through the runner "
+                 "model_config.paged_kv.kv_dtype and kv_scales (the 'paged_kv fp8' row)"},
     {"capability": "shared cross-attention K/V",
      "vllm-omni": "no: copied per session and branch (kv_cache/manager.py:529-562), freed with the session "
                   "(manager.py:591-593)",
@@ -449,8 +450,9 @@ CAPABILITIES = [
                   "674-676); pools are marked static for reduce-overhead users (kv_cache/paged.py:131-135) but "
                   "block table, query_start_loc and seq_lens are new tensors every forward "
                   "(kv_cache/paged_attention.py:220-222)",
-     "paged_kv": "yes in capture/ (static metadata buffers per bucket; README 'Warm-up and CUDA graphs'); the "
-                 "runner adapter compiles but does not capture (no GPU this round)"},
+     "paged_kv": "yes in capture/ (static metadata buffers per bucket); through the runner "
+                 "model_config.paged_kv.cuda_graphs='block': captured at startup, served by replay (the 'paged_kv "
+                 "graphs' row; on this CPU a replay of the compiled graphs only, no GPU this round)"},
     {"capability": "one compiled frame per phase at every start frame",
      "vllm-omni": "no: current_start_frame is a specialized int under dynamic=False (see the frames column)",
      "paged_kv": "yes: it is a dynamic source (vllm_omni_ar_runner.execute_model)"},
