@@ -21,7 +21,7 @@ checks of every compiled call run before each replay (`CapturedBlocks._host_chec
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -36,7 +36,7 @@ CUDA_GRAPHS = ("none", "block", "forward")
 FRAME_KWARG = "current_start_frame"
 
 
-def check_granularity(value: str, blocks: Sequence[torch.nn.Module]) -> str:
+def check_granularity(value: str) -> str:
     """The `cuda_graphs` option, refused where the model cannot be captured that way."""
     if value not in CUDA_GRAPHS:
         raise ConfigError(f"model_config['paged_kv']['cuda_graphs'] = {value!r}; choose one of {', '.join(CUDA_GRAPHS)}")
@@ -92,14 +92,14 @@ class FrameCaptures:
             self.by_frame[frame] = CapturedBlocks(
                 self.blocks, runtime, lambda bucket, mine=mine: mine[bucket], buckets=sorted(mine),
                 capture=True, graphs=CudaGraphs() if on_cuda else CompiledOnlyGraphs(), fallback="error")
-        self.first_compile_s = 0.0
-        self.capture_s = 0.0
+        self.compile_s = 0.0  # the first forward of each capture's buckets on its static buffers
+        self.capture_s = 0.0  # recording or capturing the graphs
 
     def warmup(self) -> None:
-        """Compile (already compiled by the warm-up requests: no new frame) and capture every start frame."""
+        """Run every start frame's buckets on their static buffers, then capture them."""
         for captured in self.by_frame.values():
             report = captured.warmup(progress=False)
-            self.first_compile_s += sum(t.compile_s for t in report.buckets)
+            self.compile_s += sum(t.compile_s for t in report.buckets)
             self.capture_s += sum(t.capture_s for t in report.buckets)
 
     def install(self) -> None:

@@ -88,7 +88,7 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
         options = _options(self.od_config)
         inner = options.get("inner_compiler") or ("eager" if self.od_config.enforce_eager else "inductor")
         transformer = self.pipeline.transformer
-        cuda_graphs = check_granularity(options.get("cuda_graphs") or "none", transformer.blocks)
+        cuda_graphs = check_granularity(options.get("cuda_graphs") or "none")
         self.kv_cache = DreamZeroPagedKV.build(
             transformer, spec,
             available_bytes=self._available_memory_bytes() if available_bytes is None else available_bytes,
@@ -138,8 +138,9 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
             graphs.warmup()
         graphs.install()
         self.graphs = graphs
-        self.startup = {"warmup_requests_s": t1 - t0, "capture_s": time.perf_counter() - t1,
-                        "captured": len(graphs.buckets)}
+        self.startup = {"warmup_requests_s": round(t1 - t0, 3), "capture_s": round(time.perf_counter() - t1, 3),
+                        "of_which_static_buffer_forwards_s": round(graphs.compile_s, 3),
+                        "of_which_graphs_s": round(graphs.capture_s, 3), "captured": len(graphs.buckets)}
 
     def _new_session_state(self, session_id: str) -> PagedKVSessionState:
         if self.kv_cache is None:

@@ -27,7 +27,7 @@ def _errors(got: list[dict], want: list[dict]) -> tuple[float, float, float]:
 def test_fp8_runner_is_within_the_fp8_bound_of_the_fp32_dense_runner(omni):
     """Five requests (a reset, a window reset) on an e4m3 pool with scales set at startup: within the FP8 bound of
     the fp32 dense runner, and not equal to it (the pool really quantizes); its blocks cost under half the fp32
-    pool's bytes per session."""
+    pool's bytes per session; with cuda_graphs='block' the replays give the same outputs bit for bit."""
     plan = _requests("s0", dr.request_inputs(GEOMETRY, 5), reset_at=(2,))
     dense_runner, dense_od = _runner(omni, dr.DENSE_RUNNER)
     dense = _serve(omni, dense_runner, dense_od, plan)
@@ -45,6 +45,15 @@ def test_fp8_runner_is_within_the_fp8_bound_of_the_fp32_dense_runner(omni):
     assert mean_err < 0.1 and max_err < 1.0
     assert max_err > 0, "the FP8 pool must actually quantize"
     assert runner.kv_cache.runtime.owner_ids() == [runner._sessions["s0"]._owner]
+
+    # captured at startup, the FP8 runner replays the same numbers (the scales are an input of the recorded calls)
+    torch._dynamo.reset()
+    captured, captured_od = _runner(omni, RUNNER_PATH, model_config={"paged_kv": {**options, "cuda_graphs": "block"}})
+    replayed = _serve(omni, captured, captured_od, plan)
+    assert captured.graphs.stats["replays"] > 0
+    for got, want in zip(replayed, fp8):
+        for key in ("video", "actions"):
+            assert torch.equal(got[key], want[key]), key
 
 
 def test_fp8_options_refused_with_the_reason(omni):
