@@ -2,8 +2,9 @@
 
 The runner knows the shapes it will serve only from the pipeline: DreamZero's `ar_diffusion_warmup_requests` runs
 one request per window-fill shape, and those requests run every bucket (first commit, commit, denoise) at every
-start frame a session reaches before its window resets. `record_block_calls` watches the first block while they
-run and keeps one example call per (start frame, bucket); `FrameCaptures` then builds one `CapturedBlocks` per
+start frame a session reaches before its window resets. `record_block_calls` runs the blocks on copies of their
+arguments while they run (ordinary tensors, as the capture's static buffers: the frames compiled then are the
+ones the capture runs) and keeps one example call per (start frame, bucket); `FrameCaptures` then builds one `CapturedBlocks` per
 start frame over those examples (compile, capture) and installs a wrapper per block that routes each call to the
 capture of its start frame.
 
@@ -57,22 +58,34 @@ def _keep(value: Any) -> Any:
 
 
 @contextlib.contextmanager
-def record_block_calls(block: torch.nn.Module, runtime) -> Iterator[dict[tuple[Any, Bucket], tuple]]:
-    """While open, the first call of `block` per (start frame, runtime bucket): (args, kwargs), kept."""
+def record_block_calls(blocks: torch.nn.ModuleList, runtime) -> Iterator[dict[tuple[Any, Bucket], tuple]]:
+    """While open, every block runs on copies of its arguments made as the capture will make them (ordinary tensors,
+    outside inference mode, without grad), and the first block's first call per (start frame, runtime bucket) is
+    kept: (args, kwargs). So the frames the warm-up requests compile are the ones the capture then runs (the base
+    runner serves under `inference_mode`, whose inference tensors dynamo would compile apart)."""
     seen: dict[tuple[Any, Bucket], tuple] = {}
+    saved = [block.__dict__.get("forward") for block in blocks]
 
-    def hook(_module, args, kwargs):
-        active = runtime.active
-        if active is not None:
-            key = (kwargs.get(FRAME_KWARG), active.bucket)
-            if key not in seen:
-                seen[key] = pytree.tree_map(_keep, (tuple(args), dict(kwargs)))
+    def as_captured(index: int, forward):
+        def call(*args, **kwargs):
+            with torch.inference_mode(False), torch.no_grad():
+                args, kwargs = pytree.tree_map(_keep, (tuple(args), dict(kwargs)))
+                active = runtime.active
+                if index == 0 and active is not None:
+                    seen.setdefault((kwargs.get(FRAME_KWARG), active.bucket), (args, kwargs))
+                return forward(*args, **kwargs)
+        return call
 
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    for index, block in enumerate(blocks):
+        block.forward = as_captured(index, block.forward)
     try:
         yield seen
     finally:
-        handle.remove()
+        for block, forward in zip(blocks, saved):
+            if forward is None:
+                del block.forward
+            else:
+                block.forward = forward
 
 
 class FrameCaptures:

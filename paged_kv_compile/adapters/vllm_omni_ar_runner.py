@@ -120,7 +120,7 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
         transformer, runtime = self.pipeline.transformer, self.kv_cache.runtime
         sid = self._WARMUP_SID
         t0 = time.perf_counter()
-        with record_block_calls(transformer.blocks[0], runtime) as examples:
+        with record_block_calls(transformer.blocks, runtime) as examples:
             try:
                 for request in self.pipeline.ar_diffusion_warmup_requests(sid):
                     out = self.execute_model(request)
@@ -131,9 +131,8 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
                 self._perf_e2e_times.clear()
         t1 = time.perf_counter()
         graphs = FrameCaptures(transformer.blocks, runtime, examples)
-        # The warm-up requests ran under the base runner's inference mode (inference tensors); the capture's static
-        # buffers are ordinary tensors (their versions are checked), so dynamo compiles each bucket once more here.
-        # Serving replays and calls dynamo no more.
+        # The capture runs the frames the warm-up requests compiled (record_block_calls); serving replays and calls
+        # dynamo no more.
         with torch.compiler.config.patch(dynamic_sources=_dynamic_sources(torch.compiler.config.dynamic_sources)):
             graphs.warmup()
         graphs.install()
