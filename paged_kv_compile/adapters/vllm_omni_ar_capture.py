@@ -99,12 +99,13 @@ class FrameCaptures:
         self.runtime = runtime
         on_cuda = runtime.pool.tensor.is_cuda
         frames = sorted({frame for frame, _ in examples})
+        graphs = CudaGraphs() if on_cuda else CompiledOnlyGraphs()  # one backend: every graph in one memory pool
         self.by_frame: dict[Any, CapturedBlocks] = {}
         for frame in frames:
             mine = {bucket: call for (f, bucket), call in examples.items() if f == frame}
             self.by_frame[frame] = CapturedBlocks(
                 self.blocks, runtime, lambda bucket, mine=mine: mine[bucket], buckets=sorted(mine),
-                capture=True, graphs=CudaGraphs() if on_cuda else CompiledOnlyGraphs(), fallback="error")
+                capture=True, graphs=graphs, fallback="error")
         self.compile_s = 0.0  # the first forward of each capture's buckets on its static buffers
         self.capture_s = 0.0  # recording or capturing the graphs
 
