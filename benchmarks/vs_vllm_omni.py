@@ -260,6 +260,149 @@ def frames_by_window(max_chunk_sizes: tuple[int, ...] = (2, 5)) -> list[dict]:
     return rows
 
 
+# ---- DreamZero: K sessions in one forward (the model call the upstream change would make) ----------------------
+
+
+def dreamzero_batched_sessions(ks: tuple[int, ...] = (1, 2, 4), *, calls: int = 2, repeats: int = 3,
+                               threads: int = 1) -> list[dict]:
+    """K sessions of vllm-omni's `CausalWanModel` in lockstep: each model call carries the K sessions' rows of one
+    CFG branch (batch K, `runtime.forward_batch`), against the same K sessions run one after another (batch 1).
+
+    NOT through the runner: DreamZero's pipeline runs one session per forward and its model refuses batch > 1 on
+    the paged path (docs/vs_vllm_omni.md, "Several sessions in one forward"). The model gets the stand-ins
+    directly (its unflagged cache path), which is what a batched pipeline would hand it. Parity: every batched
+    session's outputs against the same session run alone. Eager mode, `aot_eager` inside, fp32. `calls` pipeline
+    calls per session (2: a 1-frame commit, a denoise, a 2-frame commit, a denoise; the window resets after
+    that at the tiny geometry), one denoising step each, both CFG branches."""
+    omni, _, _, _ = _harness()
+    from paged_kv_compile.adapters.vllm_omni_ar_diffusion import dreamzero_spec
+    from paged_kv_compile.config import PagedKVConfig
+    from paged_kv_compile.families.dreamzero import session_blocks_per_row
+    from paged_kv_compile.runtime import PagedKVRuntime
+    from upstream.dreamzero_pipeline import cross_attention_caches
+
+    kmax = max(ks)
+    rows = []
+    with bench_settings(threads=threads), omni.model_context(), torch.no_grad():
+        _fresh_dynamo()
+        model = omni.tiny_dreamzero_model()
+        spec = dreamzero_spec(model)
+        fs, nfpb = model.frame_seqlen, model.num_frame_per_block
+        attn = model.blocks[0].self_attn
+        nact, nstate = attn.num_action_per_block, attn.num_state_per_block
+        per_session = 2 * session_blocks_per_row(spec, fs)
+        cfg = PagedKVConfig(
+            num_layers=len(model.blocks), num_kv_heads=attn.tp_num_heads, head_dim=attn.head_dim, block_size=fs,
+            blocks_per_layer=2 * kmax * per_session, max_rows=kmax, scratch_tokens_per_row=spec.tokens_per_forward,
+            buckets=tuple(b for k in sorted({1, *ks}) for b in spec.buckets(rows=k)), dtype=torch.float32,
+            kernel="reference",
+            inner_compiler="aot_eager")
+        runtime = PagedKVRuntime(cfg)
+        runtime.bind(model.blocks)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(cfg.buckets))
+        for block in model.blocks:
+            block.forward = torch.compile(type(block).forward.__get__(block), backend="paged_kv", fullgraph=True,
+                                          dynamic=False)
+        standins = {k: runtime.standin(2, k, attn.max_attention_size, attn.tp_num_heads, attn.head_dim)
+                    for k in sorted({1, *ks})}
+        g = torch.Generator().manual_seed(5)
+        text_dim = model.text_embedding[0].in_features
+        state_dim = model.state_encoder.layer1.W.shape[1]
+        sessions = []
+        for n in range(kmax):
+            text = torch.randn(1, model.text_len, text_dim, generator=g)
+            contexts = (text, torch.zeros_like(text))
+            sessions.append({
+                "contexts": contexts, "cross": [cross_attention_caches(model, c) for c in contexts],
+                "state": torch.randn(1, nstate, state_dim, generator=g),
+                "obs": [torch.randn(1, 4, 1 if i == 0 else nfpb, 4, 8, generator=g) for i in range(calls)],
+                "noise": [torch.randn(1, 4, nfpb, 4, 8, generator=g) for _ in range(calls)],
+                "noise_action": [torch.randn(1, nact, 4, generator=g) for _ in range(calls)]})
+
+        def cat(tensors):
+            return torch.cat(tensors, dim=0)
+
+        made = [0]
+
+        def model_call(group, ids, kind, branch, x, timestep, seq_len, start, **extra):
+            made[0] += 1
+            cross = [{"is_init": True, "k": cat([sessions[i]["cross"][branch][layer]["k"] for i in group]),
+                      "v": cat([sessions[i]["cross"][branch][layer]["v"] for i in group])}
+                     for layer in range(len(model.blocks))]
+            context = cat([sessions[i]["contexts"][branch] for i in group])
+            with runtime.forward_batch([(ids[i], kind, {"branch": branch}) for i in group]):
+                video, action, _ = model(x, timestep, context, seq_len, [standins[len(group)]] * len(model.blocks),
+                                         start, crossattn_cache=cross, **extra)
+            return video, action
+
+        def run(group, ids):
+            """`calls` pipeline calls (dreamzero_pipeline.run_session's plan, one denoising step) of the sessions in
+            `group`, all in lockstep; their video and action outputs per session."""
+            out = {i: [] for i in group}
+            csf = 0
+            for c in range(calls):
+                if csf == 0:
+                    for b in (0, 1):
+                        model_call(group, ids, "commit", b, cat([sessions[i]["obs"][c] for i in group]),
+                                   torch.zeros(len(group), 1, dtype=torch.long), fs, 0)
+                    csf = 1
+                else:
+                    for b in (0, 1):
+                        model_call(group, ids, "commit", b, cat([sessions[i]["obs"][c] for i in group]),
+                                   torch.zeros(len(group), nfpb, dtype=torch.long), nfpb * fs, csf - nfpb)
+                k = len(group)
+                preds = [model_call(group, ids, "denoise", b, cat([sessions[i]["noise"][c] for i in group]),
+                                    torch.full((k, nfpb), 500, dtype=torch.long), nfpb * fs, csf,
+                                    action=cat([sessions[i]["noise_action"][c] for i in group]),
+                                    timestep_action=torch.full((k, nact), 500, dtype=torch.long),
+                                    state=cat([sessions[i]["state"] for i in group])) for b in (0, 1)]
+                for j, i in enumerate(group):
+                    out[i] += [p[0][j] for p in preds] + [p[1][j] for p in preds]
+                csf += nfpb
+            return out
+
+        def admitted(tag, group):
+            ids = {i: f"{tag}-{i}" for i in group}
+            for i in group:
+                runtime.admit(ids[i], spec, rows=2)
+            return ids
+
+        def release(ids):
+            for owner in ids.values():
+                runtime.release(owner)
+
+        serial = 0
+        for k in ks:
+            group = list(range(k))
+            alone, together, t_seq, t_batch = {}, {}, [], []
+            for r in range(repeats + 1):  # pass 0 compiles
+                made[0] = 0
+                t0 = time.perf_counter()
+                for i in group:
+                    ids = admitted(f"seq{serial}", [i])
+                    serial += 1
+                    alone.update(run([i], ids))
+                    release(ids)
+                t1 = time.perf_counter()
+                sequential_calls, made[0] = made[0], 0
+                ids = admitted(f"batch{serial}", group)
+                serial += 1
+                together = run(group, ids)
+                release(ids)
+                t2 = time.perf_counter()
+                if r:
+                    t_seq.append(t1 - t0)
+                    t_batch.append(t2 - t1)
+            err = max((a - b).abs().max().item() for i in group for a, b in zip(together[i], alone[i]))
+            rows.append({"sessions": k, "model_calls_sequential": sequential_calls, "model_calls_batched": made[0],
+                         "sequential_s": _median(t_seq), "batched_s": _median(t_batch),
+                         "sequential_over_batched": round(statistics.median(t_seq) / statistics.median(t_batch), 2),
+                         "max_abs_err_vs_alone": err})
+        assert runtime.owner_ids() == []
+        runtime.close()
+    return rows
+
+
 # ---- DreamZero memory at the real size --------------------------------------------------------------------------
 
 
@@ -468,11 +611,12 @@ CAPABILITIES = [
 
 def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1, dreamzero_only: bool = False) -> dict:
     dz = dreamzero_rows(compile_too=compile_too, repeats=repeats, threads=threads)
+    batched = dreamzero_batched_sessions(repeats=repeats, threads=threads)
     windows = frames_by_window() if compile_too and not dreamzero_only else []
     hy, probe = ([], None) if dreamzero_only else hunyuan_rows(repeats=repeats, threads=threads)
     return {
         "benchmark": "vs_vllm_omni", "machine": machine_info(threads=threads, repeats=repeats),
-        "dreamzero": dz, "dreamzero_frames_by_window": windows, "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
+        "dreamzero": dz, "dreamzero_batched_sessions": batched, "dreamzero_frames_by_window": windows, "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
         "hunyuan": hy, "hunyuan_diffusion_kv_probe": probe, "hunyuan_memory_80b": hunyuan_memory(),
         "capabilities": CAPABILITIES,
     }
@@ -490,6 +634,12 @@ def print_report(result: dict) -> None:
     print(format_table(result["dreamzero"], [
         ("column", "column"), ("mode", "mode"), ("startup s", "startup_s"), ("1st req s", "first_request_s"),
         ("steady req s", "steady_request_s"), ("replays", "replays")]))
+    print("\nDreamZero: K sessions in lockstep, one batched model call per CFG branch (runtime.forward_batch), vs the "
+          "K sessions one after another; NOT through the runner (see docs/vs_vllm_omni.md)")
+    print(format_table(result["dreamzero_batched_sessions"], [
+        ("K", "sessions"), ("model calls seq", "model_calls_sequential"), ("model calls batched", "model_calls_batched"),
+        ("sequential s", "sequential_s"), ("batched s", "batched_s"), ("seq / batched", "sequential_over_batched"),
+        ("max |batched - alone|", "max_abs_err_vs_alone")]))
     if result["dreamzero_frames_by_window"]:
         print("\nDreamZero compiled frames over two window cycles (fullgraph=True, dynamic=False, default recompile "
               "limit)")
