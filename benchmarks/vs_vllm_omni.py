@@ -6,7 +6,11 @@ window reset) through `DreamZeroPipeline`'s own KV and denoising methods on a ti
 (tests/upstream/dreamzero_runner.py says what is stubbed). The three columns differ only in the runner's KV:
 dense caches (the model's dense path, the oracle), vllm-omni's `ARDiffusionKVCache` (vLLM's KVCacheManager and
 its CPU reference attention), and `PagedKVARDiffusionModelRunner` (our runtime, selected by
-`diffusion_model_runner_cls`).
+`diffusion_model_runner_cls`). Two more rows of ours: "paged_kv graphs" (`cuda_graphs: block`: warm-up and
+capture at startup, serving by replay; on this CPU the replay runs only the recorded compiled graphs) and
+"paged_kv fp8" (an e4m3 pool, scales 0.02 set at startup); "startup s" is building the runner (for the graphs row,
+the warm-up requests and the capture), "1st req s" the first served request, "steady req s" the median request of
+the timed passes.
 
 HunyuanImage-3: vllm-omni's `HunyuanImage3DecoderLayer` x2, two right-padded CFG rows, a prefill and 3 steps,
 bf16 under CPU autocast as its pipeline runs (tests/upstream/hunyuan_pipeline.py). Dense eager; vllm-omni's own
@@ -23,7 +27,7 @@ recompiles are dynamo's counters for the whole run. Host time per forward: wall 
 inside the KV layer's calls (get/prepare/commit/close) per forward. Memory at the real sizes comes from each
 system's own sizing code (vllm-omni's `ARDiffusionKVCache` built without a device, our `plan_budget`).
 
-    python -m benchmarks.vs_vllm_omni [--json] [--no-compile] [--repeats 3] [--threads 1]
+    python -m benchmarks.vs_vllm_omni [--json] [--no-compile] [--repeats 3] [--threads 1] [--dreamzero-only]
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ from benchmarks._common import bench_settings, format_table, machine_info  # noq
 
 GiB = 2**30
 COLUMNS = ("dense", "vllm-omni", "paged_kv")
+#: rows of ours with more runner options (model_config["paged_kv"]), after the three columns
+OUR_VARIANTS = {"paged_kv": {}, "paged_kv graphs": {"cuda_graphs": "block"},
+                "paged_kv fp8": {"kv_dtype": "float8_e4m3fn", "kv_scales": {"k": 0.02, "v": 0.02}}}
 DZ_CALLS = 5
 DZ_RESET_AT = (2,)  # an explicit reset request (extra_args["reset"]); the window resets on its own at call 4
 SETUP_COMPILE_DIT = {"mode": "default", "fullgraph": True, "dynamic": False}  # pipeline_dreamzero.py setup_compile
@@ -123,7 +130,7 @@ def _kv_methods(column: str) -> list[tuple[type, str]]:
     if column == "vllm-omni":
         return [(ARDiffusionKVState, "get_kv_caches"), (ARDiffusionPagedForwardContext, "prepare"),
                 (ARDiffusionKVState, "commit_paged_context")]
-    if column == "paged_kv":
+    if column in OUR_VARIANTS:
         return [(ours.PagedKVSessionState, "get_kv_caches"), (ours._BranchForward, "prepare"),
                 (ours.PagedKVSessionState, "commit_paged_context"), (ours.PagedKVSessionState, "end_invocation")]
     return [(dr.DenseSessionState, "get_kv_caches"), (dr._DenseForward, "prepare"),
@@ -137,8 +144,9 @@ def dreamzero_column(column: str, *, compiled: bool, oracle: list[dict] | None, 
     from paged_kv_compile.adapters.vllm_omni_ar_runner import RUNNER_PATH
 
     geometry = dr.TinyGeometry()
-    runner_cls = {"dense": dr.DENSE_RUNNER, "vllm-omni": None, "paged_kv": RUNNER_PATH}[column]
-    model_config = {"paged_kv": {"inner_compiler": "inductor" if compiled else "aot_eager"}}
+    runner_cls = {"dense": dr.DENSE_RUNNER, "vllm-omni": None}.get(column, RUNNER_PATH)
+    model_config = {"paged_kv": {"inner_compiler": "inductor" if compiled else "aot_eager",
+                                 **OUR_VARIANTS.get(column, {})}}
     od = dr.diffusion_config(runner_cls=runner_cls, enforce_eager=not compiled, model_config=model_config)
     inputs = dr.request_inputs(geometry, DZ_CALLS)
 
@@ -150,18 +158,25 @@ def dreamzero_column(column: str, *, compiled: bool, oracle: list[dict] | None, 
         _fresh_dynamo()
         with omni.model_context(od):
             pipeline = dr.build_pipeline(geometry, od)
-            if compiled and column != "paged_kv":  # ours compiles the blocks itself (vllm_omni_ar_runner)
+            if compiled and column not in OUR_VARIANTS:  # ours compiles the blocks itself (vllm_omni_ar_runner)
                 for block in pipeline.transformer.blocks:
                     block.forward = torch.compile(block.forward, **SETUP_COMPILE_DIT)
+            t0 = time.perf_counter()
             runner = dr.build_runner(pipeline, od, available_bytes=8 * GiB)
+            startup_s = time.perf_counter() - t0
         forwards = [0]
         pipeline.transformer.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        request_s: list[float] = []
         t0 = time.perf_counter()
         with omni.model_context(od):
-            outs = dr.serve(runner, plan("first"))
+            outs = []
+            for req in plan("first"):
+                t1 = time.perf_counter()
+                outs += dr.serve(runner, [req])
+                request_s.append(time.perf_counter() - t1)
         first_s = time.perf_counter() - t0
         stats = _compile_stats()
-        per_forward, kv_host = [], []
+        per_forward, kv_host, steady = [], [], []
         for r in range(repeats):
             forwards[0], kv_total = 0, [0.0]
             with _timed(_kv_methods(column), kv_total), omni.model_context(od):
@@ -169,13 +184,18 @@ def dreamzero_column(column: str, *, compiled: bool, oracle: list[dict] | None, 
                 again = dr.serve(runner, plan(f"timed{r}"))
                 wall = time.perf_counter() - t0
             per_forward.append(1e3 * wall / forwards[0])
+            steady.append(wall / DZ_CALLS)
             kv_host.append(1e6 * kv_total[0] / forwards[0])
         after = _compile_stats()
+    graphs = getattr(runner, "graphs", None)
     row = {"column": column, "mode": "compiled" if compiled else "eager", "forwards": forwards[0],
-           "first_pass_s": round(first_s, 2), "ms_per_forward": _median(per_forward),
+           "first_pass_s": round(first_s, 2), "startup_s": round(startup_s, 2),
+           "first_request_s": round(request_s[0], 3), "steady_request_s": _median(steady),
+           "ms_per_forward": _median(per_forward),
            "ms_per_forward_min": round(min(per_forward), 3), "kv_host_us_per_forward": _median(kv_host),
            **stats, "compiled_in_timed_passes": after["frames"] - stats["frames"],
-           "kv": type(runner.kv_cache).__name__, "repeat_equals_first": _max_err(again, outs) == 0.0}
+           "kv": type(runner.kv_cache).__name__, "repeat_equals_first": _max_err(again, outs) == 0.0,
+           "replays": graphs.stats["replays"] if graphs is not None else 0}
     if oracle is not None:
         row["max_abs_err_vs_dense_eager"] = _max_err(outs, oracle)
     return row, outs
@@ -190,10 +210,11 @@ def dreamzero_rows(*, compile_too: bool, repeats: int, threads: int) -> list[dic
     oracle_row, oracle = dreamzero_column("dense", compiled=False, oracle=None, repeats=repeats, threads=threads)
     oracle_row["max_abs_err_vs_dense_eager"] = 0.0
     rows.append(oracle_row)
-    for column in COLUMNS[1:]:
+    ours = (*COLUMNS[1:], *list(OUR_VARIANTS)[1:])
+    for column in ours:
         rows.append(dreamzero_column(column, compiled=False, oracle=oracle, repeats=repeats, threads=threads)[0])
     if compile_too:
-        for column in COLUMNS:
+        for column in (COLUMNS[0], *ours):
             rows.append(dreamzero_column(column, compiled=True, oracle=oracle, repeats=repeats, threads=threads)[0])
     return rows
 
@@ -236,6 +257,149 @@ def frames_by_window(max_chunk_sizes: tuple[int, ...] = (2, 5)) -> list[dict]:
             rows.append({"column": column, "window_frames": window, "requests": calls, "served": served,
                          **_compile_stats(), "error": error or ""})
     torch._dynamo.reset()
+    return rows
+
+
+# ---- DreamZero: K sessions in one forward (the model call the upstream change would make) ----------------------
+
+
+def dreamzero_batched_sessions(ks: tuple[int, ...] = (1, 2, 4), *, calls: int = 2, repeats: int = 3,
+                               threads: int = 1) -> list[dict]:
+    """K sessions of vllm-omni's `CausalWanModel` in lockstep: each model call carries the K sessions' rows of one
+    CFG branch (batch K, `runtime.forward_batch`), against the same K sessions run one after another (batch 1).
+
+    NOT through the runner: DreamZero's pipeline runs one session per forward and its model refuses batch > 1 on
+    the paged path (docs/vs_vllm_omni.md, "Several sessions in one forward"). The model gets the stand-ins
+    directly (its unflagged cache path), which is what a batched pipeline would hand it. Parity: every batched
+    session's outputs against the same session run alone. Eager mode, `aot_eager` inside, fp32. `calls` pipeline
+    calls per session (2: a 1-frame commit, a denoise, a 2-frame commit, a denoise; the window resets after
+    that at the tiny geometry), one denoising step each, both CFG branches."""
+    omni, _, _, _ = _harness()
+    from paged_kv_compile.adapters.vllm_omni_ar_diffusion import dreamzero_spec
+    from paged_kv_compile.config import PagedKVConfig
+    from paged_kv_compile.families.dreamzero import session_blocks_per_row
+    from paged_kv_compile.runtime import PagedKVRuntime
+    from upstream.dreamzero_pipeline import cross_attention_caches
+
+    kmax = max(ks)
+    rows = []
+    with bench_settings(threads=threads), omni.model_context(), torch.no_grad():
+        _fresh_dynamo()
+        model = omni.tiny_dreamzero_model()
+        spec = dreamzero_spec(model)
+        fs, nfpb = model.frame_seqlen, model.num_frame_per_block
+        attn = model.blocks[0].self_attn
+        nact, nstate = attn.num_action_per_block, attn.num_state_per_block
+        per_session = 2 * session_blocks_per_row(spec, fs)
+        cfg = PagedKVConfig(
+            num_layers=len(model.blocks), num_kv_heads=attn.tp_num_heads, head_dim=attn.head_dim, block_size=fs,
+            blocks_per_layer=2 * kmax * per_session, max_rows=kmax, scratch_tokens_per_row=spec.tokens_per_forward,
+            buckets=tuple(b for k in sorted({1, *ks}) for b in spec.buckets(rows=k)), dtype=torch.float32,
+            kernel="reference",
+            inner_compiler="aot_eager")
+        runtime = PagedKVRuntime(cfg)
+        runtime.bind(model.blocks)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(cfg.buckets))
+        for block in model.blocks:
+            block.forward = torch.compile(type(block).forward.__get__(block), backend="paged_kv", fullgraph=True,
+                                          dynamic=False)
+        standins = {k: runtime.standin(2, k, attn.max_attention_size, attn.tp_num_heads, attn.head_dim)
+                    for k in sorted({1, *ks})}
+        g = torch.Generator().manual_seed(5)
+        text_dim = model.text_embedding[0].in_features
+        state_dim = model.state_encoder.layer1.W.shape[1]
+        sessions = []
+        for n in range(kmax):
+            text = torch.randn(1, model.text_len, text_dim, generator=g)
+            contexts = (text, torch.zeros_like(text))
+            sessions.append({
+                "contexts": contexts, "cross": [cross_attention_caches(model, c) for c in contexts],
+                "state": torch.randn(1, nstate, state_dim, generator=g),
+                "obs": [torch.randn(1, 4, 1 if i == 0 else nfpb, 4, 8, generator=g) for i in range(calls)],
+                "noise": [torch.randn(1, 4, nfpb, 4, 8, generator=g) for _ in range(calls)],
+                "noise_action": [torch.randn(1, nact, 4, generator=g) for _ in range(calls)]})
+
+        def cat(tensors):
+            return torch.cat(tensors, dim=0)
+
+        made = [0]
+
+        def model_call(group, ids, kind, branch, x, timestep, seq_len, start, **extra):
+            made[0] += 1
+            cross = [{"is_init": True, "k": cat([sessions[i]["cross"][branch][layer]["k"] for i in group]),
+                      "v": cat([sessions[i]["cross"][branch][layer]["v"] for i in group])}
+                     for layer in range(len(model.blocks))]
+            context = cat([sessions[i]["contexts"][branch] for i in group])
+            with runtime.forward_batch([(ids[i], kind, {"branch": branch}) for i in group]):
+                video, action, _ = model(x, timestep, context, seq_len, [standins[len(group)]] * len(model.blocks),
+                                         start, crossattn_cache=cross, **extra)
+            return video, action
+
+        def run(group, ids):
+            """`calls` pipeline calls (dreamzero_pipeline.run_session's plan, one denoising step) of the sessions in
+            `group`, all in lockstep; their video and action outputs per session."""
+            out = {i: [] for i in group}
+            csf = 0
+            for c in range(calls):
+                if csf == 0:
+                    for b in (0, 1):
+                        model_call(group, ids, "commit", b, cat([sessions[i]["obs"][c] for i in group]),
+                                   torch.zeros(len(group), 1, dtype=torch.long), fs, 0)
+                    csf = 1
+                else:
+                    for b in (0, 1):
+                        model_call(group, ids, "commit", b, cat([sessions[i]["obs"][c] for i in group]),
+                                   torch.zeros(len(group), nfpb, dtype=torch.long), nfpb * fs, csf - nfpb)
+                k = len(group)
+                preds = [model_call(group, ids, "denoise", b, cat([sessions[i]["noise"][c] for i in group]),
+                                    torch.full((k, nfpb), 500, dtype=torch.long), nfpb * fs, csf,
+                                    action=cat([sessions[i]["noise_action"][c] for i in group]),
+                                    timestep_action=torch.full((k, nact), 500, dtype=torch.long),
+                                    state=cat([sessions[i]["state"] for i in group])) for b in (0, 1)]
+                for j, i in enumerate(group):
+                    out[i] += [p[0][j] for p in preds] + [p[1][j] for p in preds]
+                csf += nfpb
+            return out
+
+        def admitted(tag, group):
+            ids = {i: f"{tag}-{i}" for i in group}
+            for i in group:
+                runtime.admit(ids[i], spec, rows=2)
+            return ids
+
+        def release(ids):
+            for owner in ids.values():
+                runtime.release(owner)
+
+        serial = 0
+        for k in ks:
+            group = list(range(k))
+            alone, together, t_seq, t_batch = {}, {}, [], []
+            for r in range(repeats + 1):  # pass 0 compiles
+                made[0] = 0
+                t0 = time.perf_counter()
+                for i in group:
+                    ids = admitted(f"seq{serial}", [i])
+                    serial += 1
+                    alone.update(run([i], ids))
+                    release(ids)
+                t1 = time.perf_counter()
+                sequential_calls, made[0] = made[0], 0
+                ids = admitted(f"batch{serial}", group)
+                serial += 1
+                together = run(group, ids)
+                release(ids)
+                t2 = time.perf_counter()
+                if r:
+                    t_seq.append(t1 - t0)
+                    t_batch.append(t2 - t1)
+            err = max((a - b).abs().max().item() for i in group for a, b in zip(together[i], alone[i]))
+            rows.append({"sessions": k, "model_calls_sequential": sequential_calls, "model_calls_batched": made[0],
+                         "sequential_s": _median(t_seq), "batched_s": _median(t_batch),
+                         "sequential_over_batched": round(statistics.median(t_seq) / statistics.median(t_batch), 2),
+                         "max_abs_err_vs_alone": err})
+        assert runtime.owner_ids() == []
+        runtime.close()
     return rows
 
 
@@ -411,13 +575,14 @@ CAPABILITIES = [
     {"capability": "several sessions in one forward",
      "vllm-omni": "no: max_num_seqs=1 and request batches refused (runner.py:108-119, 336-344); the model "
                   "requires batch 1 on the paged path (causal_wan_model.py:1010-1011)",
-     "paged_kv": "yes: runtime.forward_batch (tests/test_batched.py); the runner adapter runs one branch per "
-                 "forward, as the pipeline calls it"},
+     "paged_kv": "yes: runtime.forward_batch (tests/test_batched.py); not through the runner: vllm-omni can hand "
+                 "it several requests (execute_model_batch), but DreamZero's pipeline runs one session per forward "
+                 "and its model refuses batch > 1 on the paged path (docs/vs_vllm_omni.md: the upstream change)"},
     {"capability": "FP8 KV pool",
      "vllm-omni": "no: pool dtype is od_config.dtype (runner.py:141); the op casts K/V to it with no scale "
                   "(kv_cache/paged_attention.py:683-684)",
-     "paged_kv": "yes: PagedKVConfig(kv_dtype=float8_*) with per-(layer, head) scales (README, FP8 pool); "
-                 "not exposed by the runner adapter's options yet"},
+     "paged_kv": "yes: PagedKVConfig(kv_dtype=float8_*) with per-(layer, head) scales; through the runner "
+                 "model_config.paged_kv.kv_dtype and kv_scales (the 'paged_kv fp8' row)"},
     {"capability": "shared cross-attention K/V",
      "vllm-omni": "no: copied per session and branch (kv_cache/manager.py:529-562), freed with the session "
                   "(manager.py:591-593)",
@@ -428,8 +593,9 @@ CAPABILITIES = [
                   "674-676); pools are marked static for reduce-overhead users (kv_cache/paged.py:131-135) but "
                   "block table, query_start_loc and seq_lens are new tensors every forward "
                   "(kv_cache/paged_attention.py:220-222)",
-     "paged_kv": "yes in capture/ (static metadata buffers per bucket; README 'Warm-up and CUDA graphs'); the "
-                 "runner adapter compiles but does not capture (no GPU this round)"},
+     "paged_kv": "yes in capture/ (static metadata buffers per bucket); through the runner "
+                 "model_config.paged_kv.cuda_graphs='block': captured at startup, served by replay (the 'paged_kv "
+                 "graphs' row; on this CPU a replay of the compiled graphs only, no GPU this round)"},
     {"capability": "one compiled frame per phase at every start frame",
      "vllm-omni": "no: current_start_frame is a specialized int under dynamic=False (see the frames column)",
      "paged_kv": "yes: it is a dynamic source (vllm_omni_ar_runner.execute_model)"},
@@ -443,13 +609,14 @@ CAPABILITIES = [
 # ---- main -------------------------------------------------------------------------------------------------------
 
 
-def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1) -> dict:
+def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1, dreamzero_only: bool = False) -> dict:
     dz = dreamzero_rows(compile_too=compile_too, repeats=repeats, threads=threads)
-    windows = frames_by_window() if compile_too else []
-    hy, probe = hunyuan_rows(repeats=repeats, threads=threads)
+    batched = dreamzero_batched_sessions(repeats=repeats, threads=threads)
+    windows = frames_by_window() if compile_too and not dreamzero_only else []
+    hy, probe = ([], None) if dreamzero_only else hunyuan_rows(repeats=repeats, threads=threads)
     return {
         "benchmark": "vs_vllm_omni", "machine": machine_info(threads=threads, repeats=repeats),
-        "dreamzero": dz, "dreamzero_frames_by_window": windows, "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
+        "dreamzero": dz, "dreamzero_batched_sessions": batched, "dreamzero_frames_by_window": windows, "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
         "hunyuan": hy, "hunyuan_diffusion_kv_probe": probe, "hunyuan_memory_80b": hunyuan_memory(),
         "capabilities": CAPABILITIES,
     }
@@ -463,6 +630,16 @@ def print_report(result: dict) -> None:
         ("frames", "frames"), ("recompiles", "recompiles"), ("breaks", "graph_breaks"),
         ("ms/forward", "ms_per_forward"), ("KV host us/fwd", "kv_host_us_per_forward"),
         ("forwards", "forwards"), ("first pass s", "first_pass_s"), ("compiled later", "compiled_in_timed_passes")]))
+    print("\nDreamZero runner: startup, first request and steady state (seconds; replays = captured graph launches)")
+    print(format_table(result["dreamzero"], [
+        ("column", "column"), ("mode", "mode"), ("startup s", "startup_s"), ("1st req s", "first_request_s"),
+        ("steady req s", "steady_request_s"), ("replays", "replays")]))
+    print("\nDreamZero: K sessions in lockstep, one batched model call per CFG branch (runtime.forward_batch), vs the "
+          "K sessions one after another; NOT through the runner (see docs/vs_vllm_omni.md)")
+    print(format_table(result["dreamzero_batched_sessions"], [
+        ("K", "sessions"), ("model calls seq", "model_calls_sequential"), ("model calls batched", "model_calls_batched"),
+        ("sequential s", "sequential_s"), ("batched s", "batched_s"), ("seq / batched", "sequential_over_batched"),
+        ("max |batched - alone|", "max_abs_err_vs_alone")]))
     if result["dreamzero_frames_by_window"]:
         print("\nDreamZero compiled frames over two window cycles (fullgraph=True, dynamic=False, default recompile "
               "limit)")
@@ -474,6 +651,8 @@ def print_report(result: dict) -> None:
         ("system", "system"), ("pool", "pool"), ("fraction", "gpu_memory_fraction"), ("budget GiB", "budget_gib"),
         ("KV GiB/session", "kv_gib_per_session"), ("cross GiB/session", "cross_gib_per_session"),
         ("sessions", "sessions")]))
+    if result["hunyuan_diffusion_kv_probe"] is None:  # --dreamzero-only
+        return
     print("\nHunyuanImage-3 decoder layers x2 (bf16 autocast, 2 right-padded CFG rows, prefill + 3 steps)")
     print(format_table(result["hunyuan"], [
         ("column", "column"), ("mode", "mode"), ("max |x-dense|", "max_abs_err_vs_dense_eager"),
@@ -500,8 +679,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="eager rows only (skip the Inductor rows)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per row (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads while measuring")
+    parser.add_argument("--dreamzero-only", action="store_true",
+                        help="the DreamZero runner rows and memory only (no window cycles, no HunyuanImage-3)")
     args = parser.parse_args(argv)
-    result = run(compile_too=not args.no_compile, repeats=args.repeats, threads=args.threads)
+    result = run(compile_too=not args.no_compile, repeats=args.repeats, threads=args.threads,
+                 dreamzero_only=args.dreamzero_only)
     print_report(result)
     if args.json:
         print(json.dumps(result, default=str))

@@ -5,4 +5,5 @@
 `vllm_omni_ar_diffusion`: our runtime as the session KV state vllm-omni's DreamZero pipeline drives (no vllm import).
 `vllm_omni_ar_runner`: vllm-omni's `ARDiffusionModelRunner` over that state, chosen by `diffusion_model_runner_cls`
 (imports vllm-omni; docs/vs_vllm_omni.md).
+`vllm_omni_ar_capture`: that runner's graph capture at startup (`cuda_graphs: block`; no vllm import).
 """

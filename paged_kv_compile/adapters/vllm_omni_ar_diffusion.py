@@ -29,13 +29,23 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..config import PagedKVConfig
-from ..errors import CapacityError, ConfigError, RequestError
+from ..config import FP8_DTYPES, PagedKVConfig
+from ..errors import CapacityError, ConfigError, KernelUnavailableError, RequestError
 from ..families.dreamzero import DreamZeroSpec, session_blocks_per_row
 from ..pool import KVPool
 from ..runtime import PagedKVRuntime
 
 START_FRAME_SOURCE = "L['current_start_frame']"  # torch.compiler.config.dynamic_sources entry (docs/models.md)
+
+
+def parse_kv_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A configuration's pool dtype ("float8_e4m3fn", "float8_e5m2", a torch dtype, or None: the compute dtype)."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"kv_dtype={name!r} is not a torch dtype; use float8_e4m3fn, float8_e5m2 or leave it unset")
+    return dtype
 
 
 def dreamzero_spec(transformer) -> DreamZeroSpec:
@@ -97,11 +107,15 @@ class DreamZeroPagedKV:
     @classmethod
     def build(cls, transformer, ar_spec, *, available_bytes: int, memory_fraction: float, dtype: torch.dtype,
               device: str | torch.device = "cpu", block_size: int | None = None, kernel: str = "auto",
-              inner_compiler: str = "inductor") -> "DreamZeroPagedKV":
+              inner_compiler: str = "inductor", kv_dtype: torch.dtype | None = None,
+              kv_scales: dict | None = None) -> "DreamZeroPagedKV":
         """Size the pool as vllm-omni sizes its own (`ARDiffusionKVCache.__init__`): the budget is
         `available_bytes * memory_fraction`, raised to one session if that fits the device, and every resident
         session needs its whole window in every local branch, its cross-attention K/V and the model state the
-        pipeline declares; the session count is capped by the spec's `session_capacity`."""
+        pipeline declares; the session count is capped by the spec's `session_capacity`.
+
+        An FP8 `kv_dtype` halves the blocks' bytes (more sessions in the same budget); `kv_scales` {"k", "v"}
+        sets its static scales (1.0 by default). A kernel that cannot read the pool is refused here, naming why."""
         spec = dreamzero_spec(transformer)
         if ar_spec.tokens_per_frame != spec.frame_seqlen or ar_spec.num_layers != len(transformer.blocks):
             raise ConfigError(
@@ -117,10 +131,13 @@ class DreamZeroPagedKV:
             num_layers=ar_spec.num_layers, num_kv_heads=ar_spec.num_kv_heads, head_dim=ar_spec.head_size,
             block_size=block_size, blocks_per_layer=1, max_rows=rows, scratch_tokens_per_row=spec.tokens_per_forward,
             buckets=spec.buckets(rows=1), dtype=dtype, device=str(device), kernel=kernel,
-            inner_compiler=inner_compiler,
+            inner_compiler=inner_compiler, kv_dtype=kv_dtype,
         )
         budget = plan_budget(ar_spec, spec, base, available_bytes=available_bytes, memory_fraction=memory_fraction)
         runtime = PagedKVRuntime(dataclasses.replace(base, blocks_per_layer=budget.blocks_per_layer))
+        _check_kernel(runtime, kernel, ar_spec)
+        if kv_scales is not None:
+            _set_scales(runtime, kv_scales)
         runtime.bind(transformer.blocks)
         return cls(runtime, ar_spec, spec, budget)
 
@@ -150,6 +167,30 @@ class DreamZeroPagedKV:
 
     def _release(self, owner: str) -> None:
         self.runtime.release(owner)
+
+
+def _check_kernel(runtime: PagedKVRuntime, kernel: str, ar_spec) -> None:
+    """Refuse at startup a kernel that cannot read this pool (an FP8 pool on flash-attn 2, e4m3 on old GPUs...)."""
+    from ..ops import resolve_kernel
+
+    pool = runtime.pool.tensor
+    query = torch.empty(1, 1, ar_spec.num_kv_heads, ar_spec.head_size, dtype=runtime.config.dtype, device=pool.device)
+    try:
+        resolve_kernel(kernel, query, pool)
+    except KernelUnavailableError as exc:
+        runtime.close()
+        raise ConfigError(f"kernel={kernel!r} cannot serve this runner's {pool.dtype} pool: {exc}") from exc
+
+
+def _set_scales(runtime: PagedKVRuntime, kv_scales: dict) -> None:
+    if runtime.config.kv_dtype not in FP8_DTYPES:
+        raise ConfigError(f"kv_scales are the scales of an FP8 pool; this pool stores {runtime.pool.tensor.dtype}: "
+                          "set kv_dtype to float8_e4m3fn or float8_e5m2, or drop kv_scales")
+    unknown = set(kv_scales) - {"k", "v"}
+    if unknown:
+        raise ConfigError(f"kv_scales has unknown keys {sorted(unknown)}; known: k, v")
+    runtime.pool.set_scales(torch.as_tensor(kv_scales.get("k", 1.0), dtype=torch.float32),
+                            torch.as_tensor(kv_scales.get("v", 1.0), dtype=torch.float32))
 
 
 def plan_budget(ar_spec, spec: DreamZeroSpec, cfg: PagedKVConfig, *, available_bytes: int,

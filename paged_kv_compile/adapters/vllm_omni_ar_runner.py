@@ -3,8 +3,17 @@
     od_config = OmniDiffusionConfig(
         engine_backend="vllm_omni.experimental.ar_diffusion.engine.ARDiffusionEngine",   # unchanged
         diffusion_model_runner_cls="paged_kv_compile.adapters.vllm_omni_ar_runner.PagedKVARDiffusionModelRunner",
-        model_config={..., "paged_kv": {"kernel": "auto", "inner_compiler": "inductor", "block_size": None}},
+        model_config={..., "paged_kv": {"kernel": "auto", "inner_compiler": "inductor", "block_size": None,
+                                        "cuda_graphs": "none", "kv_dtype": None, "kv_scales": None}},
     )
+
+Options (`model_config["paged_kv"]`, every key optional): `kernel`, `inner_compiler` and `block_size` as in
+`PagedKVConfig`; `cuda_graphs` "none" (compiled blocks, host-launched) or "block" (warm up on the pipeline's
+warm-up requests and capture one graph per block and shape before the first request is accepted, then serve by
+replay and never compile: `vllm_omni_ar_capture`; on a CPU the replay runs only the compiled graphs); `kv_dtype`
+None (the pool stores `od_config.dtype`) or "float8_e4m3fn" / "float8_e5m2" (an FP8 pool with static scales per
+layer and kv head); `kv_scales` {"k": ..., "v": ...}, each a float or a [num_layers][num_kv_heads] list (1.0 when
+absent), set before any session is admitted.
 
 Why this seam: vllm-omni's worker already resolves `od_config.diffusion_model_runner_cls` before the runner the
 engine declares (`diffusion/worker/diffusion_worker.py`, "explicit od_config.diffusion_model_runner_cls (user
@@ -25,25 +34,31 @@ session state; `_bound_ar_session` closes the last forward of an invocation; `ex
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 import torch
 
 from ..backend import paged_kv_backend
-from .vllm_omni_ar_diffusion import START_FRAME_SOURCE, DreamZeroPagedKV, PagedKVSessionState
+from ..errors import ConfigError
+from .vllm_omni_ar_capture import FrameCaptures, check_granularity, record_block_calls
+from .vllm_omni_ar_diffusion import START_FRAME_SOURCE, DreamZeroPagedKV, PagedKVSessionState, parse_kv_dtype
 
 from vllm_omni.diffusion.models.interface import supports_step_execution  # noqa: E402  (vllm-omni users only)
+from vllm_omni.experimental.ar_diffusion.capability import SupportsARDiffusionWarmup  # noqa: E402
 from vllm_omni.experimental.ar_diffusion.runner import ARDiffusionModelRunner  # noqa: E402
 
 RUNNER_PATH = "paged_kv_compile.adapters.vllm_omni_ar_runner.PagedKVARDiffusionModelRunner"
 
 
+OPTIONS = ("kernel", "inner_compiler", "block_size", "cuda_graphs", "kv_dtype", "kv_scales")
+
+
 def _options(od_config) -> dict:
     raw = (getattr(od_config, "model_config", None) or {}).get("paged_kv") or {}
-    unknown = set(raw) - {"kernel", "inner_compiler", "block_size"}
+    unknown = set(raw) - set(OPTIONS)
     if unknown:
-        raise ValueError(f"model_config['paged_kv'] has unknown keys {sorted(unknown)}; "
-                         "known: kernel, inner_compiler, block_size")
+        raise ValueError(f"model_config['paged_kv'] has unknown keys {sorted(unknown)}; known: {', '.join(OPTIONS)}")
     return raw
 
 
@@ -56,6 +71,8 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
     """`ARDiffusionModelRunner` whose sessions live in a `PagedKVRuntime` (see the module docstring)."""
 
     kv_cache: DreamZeroPagedKV | None
+    graphs: FrameCaptures | None = None  # the captured blocks (cuda_graphs="block"), installed in the model
+    startup: dict | None = None  # what the capture at startup took (seconds), when it ran
 
     def _preallocate_kv_cache(self, *, available_bytes: int | None = None) -> None:
         # The base runner's admission rules, unchanged (runner.py: `_preallocate_kv_cache`).
@@ -71,12 +88,14 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
         options = _options(self.od_config)
         inner = options.get("inner_compiler") or ("eager" if self.od_config.enforce_eager else "inductor")
         transformer = self.pipeline.transformer
+        cuda_graphs = check_granularity(options.get("cuda_graphs") or "none")
         self.kv_cache = DreamZeroPagedKV.build(
             transformer, spec,
             available_bytes=self._available_memory_bytes() if available_bytes is None else available_bytes,
             memory_fraction=self.ar_diffusion_kv_config.gpu_memory_fraction, dtype=self.od_config.dtype,
             device=self.device, block_size=options.get("block_size"), kernel=options.get("kernel", "auto"),
-            inner_compiler=inner,
+            inner_compiler=inner, kv_dtype=parse_kv_dtype(options.get("kv_dtype")),
+            kv_scales=options.get("kv_scales"),
         )
         self._ar_diffusion_capability = capability
         self._ar_diffusion_kv_cache_spec = spec
@@ -86,6 +105,41 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
             # enforce_eager, where the rewritten graph runs without Inductor).
             block.forward = torch.compile(type(block).forward.__get__(block), backend=paged_kv_backend,
                                           fullgraph=True, dynamic=False)
+        self.graphs = None
+        if cuda_graphs != "none":
+            self._capture_at_startup()
+
+    def _capture_at_startup(self) -> None:
+        """Serve the pipeline's warm-up requests (compiling every bucket at every start frame they reach, their
+        block calls recorded), release their session, then capture those calls and install the captures: from
+        here on a forward replays and never compiles."""
+        if not isinstance(self.pipeline, SupportsARDiffusionWarmup):
+            raise ConfigError("cuda_graphs needs the pipeline's warm-up requests (ar_diffusion_warmup_requests) to "
+                              "know every shape it serves before the first request; this pipeline has none: use "
+                              "cuda_graphs='none'")
+        transformer, runtime = self.pipeline.transformer, self.kv_cache.runtime
+        sid = self._WARMUP_SID
+        t0 = time.perf_counter()
+        with record_block_calls(transformer.blocks, runtime) as examples:
+            try:
+                for request in self.pipeline.ar_diffusion_warmup_requests(sid):
+                    out = self.execute_model(request)
+                    if getattr(out, "error", None):
+                        raise RuntimeError(f"warm-up request {request.request_id} failed: {out.error}")
+            finally:
+                self._release_session(sid, reset_model=False, reason="warmup_complete", suppress_errors=True)
+                self._perf_e2e_times.clear()
+        t1 = time.perf_counter()
+        graphs = FrameCaptures(transformer.blocks, runtime, examples)
+        # The capture runs the frames the warm-up requests compiled (record_block_calls); serving replays and calls
+        # dynamo no more.
+        with torch.compiler.config.patch(dynamic_sources=_dynamic_sources(torch.compiler.config.dynamic_sources)):
+            graphs.warmup()
+        graphs.install()
+        self.graphs = graphs
+        self.startup = {"warmup_requests_s": round(t1 - t0, 3), "capture_s": round(time.perf_counter() - t1, 3),
+                        "of_which_static_buffer_forwards_s": round(graphs.compile_s, 3),
+                        "of_which_graphs_s": round(graphs.capture_s, 3), "captured": len(graphs.buckets)}
 
     def _new_session_state(self, session_id: str) -> PagedKVSessionState:
         if self.kv_cache is None:
@@ -100,5 +154,6 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
 
     def execute_model(self, req, kv_prefetch_job=None):
         sources = _dynamic_sources(torch.compiler.config.dynamic_sources)
-        with torch.compiler.config.patch(dynamic_sources=sources):
+        stance = torch.compiler.set_stance("fail_on_recompile") if self.graphs is not None else contextlib.nullcontext()
+        with torch.compiler.config.patch(dynamic_sources=sources), stance:
             return super().execute_model(req, kv_prefetch_job=kv_prefetch_job)
