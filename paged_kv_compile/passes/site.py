@@ -225,12 +225,15 @@ def _joining(provs: dict[str, Provenance], history: int, standins: set[fx.Node])
     return joining[0]
 
 
-def _cache_read(provs: dict[str, Provenance], standins: set[fx.Node]) -> CacheRead:
+def _cache_read(provs: dict[str, Provenance], standins: set[fx.Node]) -> CacheRead | str:
     """Which stand-in the keys read their history from (the first such), and which K/V halves they read."""
     halves = []
     for name in ("key", "value"):
         leaf = next((leaf for leaf, _ in provs[name].columns if leaf in standins), None)
         halves.append(None if leaf is None else provs[name].reads[leaf])
+        if leaf is not None and halves[-1].select_dim not in (None, 0):
+            return (f"its {name}s read the cache stand-in {leaf.name} through a selector on axis "
+                    f"{halves[-1].select_dim}: a cache's K/V axis must lead ((2, B, L, H, D))")
     key, value = halves
     if key is None:
         return CacheRead(value_half=value.kv_index if value is not None else None)
@@ -275,4 +278,7 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
     if isinstance(joining, str):
         return joining
     keys.joining = joining
-    return Site(node, args, new, keys, _cache_read(reads.provs, standins), _cache_writes(mine, reads))
+    cache = _cache_read(reads.provs, standins)
+    if isinstance(cache, str):
+        return cache
+    return Site(node, args, new, keys, cache, _cache_writes(mine, reads))
