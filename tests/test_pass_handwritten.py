@@ -60,6 +60,11 @@ def scale_by_a_tensor(q, k, v, d, mask):
     return (scores * q.new_tensor(d**-0.5)).softmax(-1) @ v
 
 
+def bool_mask_added(q, k, v, d, mask):
+    """Adds the boolean mask as numbers (0/1): not what SDPA's bool mask means."""
+    return (q @ k.transpose(-1, -2) * d**-0.5 + mask).softmax(-1) @ v
+
+
 def _dreamzero(attend):
     def forward(self, x, rope_cos, rope_sin, kv_cache):
         b, s, _ = x.shape
@@ -124,6 +129,7 @@ def test_hand_written_masked_prefix_attention_is_rewritten(monkeypatch):
 @pytest.mark.parametrize("attend, reason", [
     (masked_fill_before_scale, "is added before the scale: SDPA adds it after"),
     (scale_by_a_tensor, "the scores are scaled by a tensor"),
+    (bool_mask_added, "is not floating point"),
 ])
 def test_hand_written_masked_attention_it_cannot_prove_is_refused(monkeypatch, attend, reason):
     with raises_paged(PassError, reason):

@@ -38,9 +38,21 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
-def _strip_casts(node: fx.Node) -> fx.Node:
-    """The tensor under dtype casts (``.float()``, ``.to(torch.float32)``, ``.type_as(q)``)."""
+def _narrows(node: fx.Node) -> bool:
+    """A cast that loses precision (or leaves floating point): SDPA computes the scores at least at q's precision."""
+    out, into = example(node), example(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(out, torch.Tensor) or not isinstance(into, torch.Tensor):
+        return True
+    return not out.dtype.is_floating_point or out.dtype.itemsize < into.dtype.itemsize
+
+
+def _strip_casts(node: fx.Node, narrowing: bool = False) -> fx.Node:
+    """The tensor under dtype casts (``.float()``, ``.to(torch.float32)``, ``.type_as(q)``); a cast that narrows
+    the precision is not stripped (it changes what is computed) unless `narrowing` (the probabilities cast back
+    to q's dtype before the product with v, which SDPA does too)."""
     while _is(node, set(), _CASTS) or (node.op == "call_function" and node.target is torch.Tensor.to):
+        if not narrowing and _narrows(node):
+            break
         node = node.args[0]
     return node
 
@@ -122,6 +134,7 @@ def _scores_chain(scores: fx.Node) -> tuple[fx.Node, float, fx.Node | None] | st
     if _is(node, {torch.masked_fill}, {"masked_fill"}):  # scores.masked_fill(~mask, -inf): SDPA's boolean mask
         where, fill = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
         if not (_is(where, {operator.invert, torch.logical_not}, {"logical_not", "__invert__"})
+                and isinstance(example(where.args[0]), torch.Tensor) and example(where.args[0]).dtype == torch.bool
                 and fill == float("-inf")):
             return ("the scores are masked_fill'ed other than masked_fill(~mask, float('-inf')) (SDPA's boolean "
                     "mask: True where a key is seen)")
@@ -131,8 +144,13 @@ def _scores_chain(scores: fx.Node) -> tuple[fx.Node, float, fx.Node | None] | st
         if len(sides) != 1 or not all(isinstance(a, fx.Node) for a in node.args):
             return "the scores are a sum the pass cannot split into (q @ k^T) * scale and one mask"
         node, mask = sides[0], next(a for a in node.args if a is not sides[0])
+        if not (isinstance(example(mask), torch.Tensor) and example(mask).dtype.is_floating_point):
+            return (f"the mask added to the scores ({mask.name}) is not floating point (SDPA would read a bool mask "
+                    "as visibility)")
         node = _strip_casts(node)
     while node.op == "call_function" and node.target in _SCALES:
+        if node.kwargs:  # torch.div(..., rounding_mode=...)
+            return f"the scores are scaled with arguments the pass does not read ({node.name}: {dict(node.kwargs)})"
         left, right = node.args[:2]
         const, tensor = (right, left) if isinstance(left, fx.Node) else (left, right)
         if isinstance(const, fx.Node) or not isinstance(const, (int, float)):
@@ -159,7 +177,7 @@ def _attention(out: fx.Node, standins: set[fx.Node], writers: set[fx.Node], para
     if isinstance(got, str):
         return {}, ""
     probs, v = got
-    softmax = _strip_casts(probs)
+    softmax = _strip_casts(probs, narrowing=True)
     if not _is(softmax, _SOFTMAX_FUNCTIONS, {"softmax"}):
         return {}, ""
     if not (standins & ancestors(out)) and find_parameter([v], params) not in writers:
@@ -172,6 +190,10 @@ def _attention(out: fx.Node, standins: set[fx.Node], writers: set[fx.Node], para
                    "batch*heads is not read (write it 4-D, e.g. q @ k.transpose(-1, -2) on (B, H, L, D))"
     if dim not in (-1, 3):
         return {}, f"{softmax.name}: the softmax runs over axis {dim}, not over the keys (the last axis)"
+    dtype = _arg(softmax, 3 if softmax.target is F.softmax else 2, "dtype")  # F.softmax has _stacklevel first
+    if isinstance(dtype, torch.dtype) and (
+            not dtype.is_floating_point or dtype.itemsize < example(scores).dtype.itemsize):
+        return {}, f"{softmax.name}: the softmax runs at a lower precision ({dtype}) than its scores"
     chain = _scores_chain(scores)
     if isinstance(chain, str):
         return {}, f"{out.name}: {chain}"
