@@ -191,7 +191,8 @@ def _computed_after_concatenation(args: dict, standins: set[fx.Node], history: d
         if history[name]:
             continue
         for node in sorted(ancestors(args[name]), key=lambda n: n.name):
-            if node.op != "call_function" or node.target not in CAT_FUNCTIONS or not isinstance(node.args[0], (list, tuple)):
+            if (node.op != "call_function" or node.target not in CAT_FUNCTIONS
+                    or not isinstance(node.args[0], (list, tuple))):
                 continue
             parts = [set(movement_leaves(p)[0]) if isinstance(p, fx.Node) else set() for p in node.args[0]]
             if any(p and p <= standins for p in parts) and any(p and not p & standins for p in parts):
@@ -255,9 +256,12 @@ def _cache_read(provs: dict[str, Provenance], standins: set[fx.Node]) -> CacheRe
     for name in ("key", "value"):
         leaf = next((leaf for leaf, _ in provs[name].columns if leaf in standins), None)
         halves.append(None if leaf is None else provs[name].reads[leaf])
-        if leaf is not None and halves[-1].select_dim not in (None, 0):
-            return (f"its {name}s read the cache stand-in {leaf.name} through a selector on axis "
-                    f"{halves[-1].select_dim}: a cache's K/V axis must lead ((2, B, L, H, D))")
+        read = halves[-1]
+        if read is not None and read.select_dim is not None and (
+                read.select_dim != 0 or read.shape != tuple(example(leaf).shape)):
+            return (f"its {name}s read the cache stand-in {leaf.name} {tuple(example(leaf).shape)} as {read.shape} "
+                    f"through a selector on axis {read.select_dim}: a cache with a K/V axis must be (2, B, L, H, D) "
+                    "with that axis leading")
     key, value = halves
     if key is None:
         return CacheRead(value_half=value.kv_index if value is not None else None)
