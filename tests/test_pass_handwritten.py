@@ -38,6 +38,22 @@ def float32_softmax_cast_back(q, k, v, d, mask=None):
     return torch.matmul(probs, v)
 
 
+def bmm_merged_heads(q, k, v, d, mask=None):
+    """(B*H, L, D) operands, as code written for bmm does."""
+    b, h, length, _ = q.shape
+    q3, k3, v3 = (x.reshape(b * h, x.shape[2], d) for x in (q, k, v))
+    probs = torch.bmm(q3, k3.transpose(1, 2)).mul(d**-0.5).softmax(-1)
+    return torch.bmm(probs, v3).view(b, h, length, d)
+
+
+def baddbmm_alpha(q, k, v, d, mask=None):
+    """The baddbmm form (beta=0, the scale as alpha)."""
+    b, h, length, _ = q.shape
+    q3, k3, v3 = (x.reshape(b * h, x.shape[2], d) for x in (q, k, v))
+    scores = torch.baddbmm(q3.new_zeros(b * h, length, k3.shape[1]), q3, k3.transpose(1, 2), beta=0, alpha=d**-0.5)
+    return torch.bmm(scores.softmax(dim=-1), v3).view(b, h, length, d)
+
+
 def softmax_over_queries(q, k, v, d, mask=None):
     return (q @ k.transpose(-1, -2) * d**-0.5).softmax(-2) @ v
 
@@ -100,7 +116,8 @@ def _hunyuan(attend):
     return forward
 
 
-@pytest.mark.parametrize("attend", [matmul_scale, einsum_div_sqrt, float32_softmax_cast_back])
+@pytest.mark.parametrize("attend", [matmul_scale, einsum_div_sqrt, float32_softmax_cast_back, bmm_merged_heads,
+                                    baddbmm_alpha])
 def test_hand_written_window_attention_is_rewritten(monkeypatch, attend):
     dense, paged, backend = _run_dreamzero(monkeypatch, _dreamzero(attend), {"inner_compiler": "aot_eager"},
                                            num_chunks=3)

@@ -5,9 +5,11 @@ find. Before the sites are read, each hand-written attention whose keys or value
 replaced by the SDPA call it computes, so that everything after (provenance on tags with the batch / heads / GQA
 / head_dim checks, the idioms, the rewrite) is the one path SDPA sites take. What is accepted, between the two
 products: dtype casts (a float32 softmax cast back), a multiplication or division by a constant (the scale, e.g.
-``/ math.sqrt(d)``), then one added mask (SDPA's additive float mask). Anything else (a softmax over another axis,
-a scale that is a tensor, a mask added before the scale, a broadcast batch) is left as written with the reason,
-which the pass reports: its stand-in reads then make the graph refused, never computed wrong.
+``/ math.sqrt(d)``), then one added float mask or ``masked_fill(~mask, -inf)``; ``bmm``/``baddbmm`` over merged
+batch*heads are split back into (batch, heads) where the tags show which split the query, keys and values read.
+Anything else (a softmax over another axis, a scale that is a tensor, a mask added before the scale, a boolean mask
+added as numbers, a cast that narrows the scores, a broadcast batch) is left as written with the reason, which the
+pass reports: its stand-in reads then make the graph refused, never computed wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .graph import ancestors, example, find_parameter
+from .provenance import provenance
 from .writes import store_weight
 
 _MATMULS = {torch.matmul, operator.matmul}
@@ -86,8 +89,8 @@ class _Built:
 def _product(node: fx.Node, built: _Built | None) -> tuple[fx.Node, fx.Node] | str:
     """(left, right) of a 4-D batched product ``left @ right`` (right already the (B, H, D, S) or (B, H, S, D)
     operand as matmul takes it); einsum ``abid,abjd->abij`` style operands are given as matmul operands."""
-    if _is(node, _MATMULS, {"matmul", "__matmul__"}):
-        left, right = node.args[0], node.args[1]
+    if _is(node, _MATMULS | {torch.bmm}, {"matmul", "__matmul__", "bmm"}) or _is(node, {torch.baddbmm}, {"baddbmm"}):
+        left, right = node.args[-2:] if node.target in (torch.baddbmm, "baddbmm") else node.args[:2]
         return (left, right) if all(isinstance(x, fx.Node) for x in (left, right)) else "a product with a constant"
     got = _einsum_operands(node)
     if got is None:
@@ -111,13 +114,19 @@ def _product(node: fx.Node, built: _Built | None) -> tuple[fx.Node, fx.Node] | s
 
 
 _SCALES = {operator.mul, operator.truediv, torch.mul, torch.div}
+_SCALE_METHODS = {"mul", "div", "__mul__", "__truediv__"}
+_DIVISIONS = {operator.truediv, torch.div, "div", "__truediv__"}
 _ADDS = {operator.add, torch.add}
+
+
+def _is_scale(node: fx.Node) -> bool:
+    return _is(node, _SCALES, _SCALE_METHODS)
 
 
 def _under_scale(node: fx.Node) -> fx.Node:
     """`node` under casts and multiplications/divisions (whatever their operands: checked by `_scores_chain`)."""
     node = _strip_casts(node)
-    while node.op == "call_function" and node.target in _SCALES:
+    while _is_scale(node):
         node = _strip_casts(next((a for a in node.args[:2] if isinstance(a, fx.Node)), node.args[0]))
         if not isinstance(node, fx.Node):
             break
@@ -131,6 +140,15 @@ def _is_product(node: object) -> bool:
 def _scores_chain(scores: fx.Node) -> tuple[fx.Node, float, fx.Node | None] | str:
     """(the q @ k^T product, the constant scale, the additive mask or None) under the softmax's input."""
     node, mask, scale = _strip_casts(scores), None, 1.0
+    if _is(node, {torch.baddbmm}, {"baddbmm"}):  # beta * bias + alpha * (q @ k^T): the scale and the mask at once
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+        if len(node.args) != 3 or not all(isinstance(x, (int, float)) for x in (beta, alpha)) or beta not in (0, 1):
+            return (f"{node.name}: baddbmm with beta/alpha the pass cannot read as constants (beta 0, or 1 with a "
+                    "floating-point mask)")
+        bias = node.args[0]
+        if beta == 1 and not (isinstance(bias, fx.Node) and example(bias).dtype.is_floating_point):
+            return f"{node.name}: baddbmm's added input is not a floating-point mask"
+        return node, float(alpha), bias if beta == 1 else None
     if _is(node, {torch.masked_fill}, {"masked_fill"}):  # scores.masked_fill(~mask, -inf): SDPA's boolean mask
         where, fill = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
         if not (_is(where, {operator.invert, torch.logical_not}, {"logical_not", "__invert__"})
@@ -148,7 +166,7 @@ def _scores_chain(scores: fx.Node) -> tuple[fx.Node, float, fx.Node | None] | st
             return (f"the mask added to the scores ({mask.name}) is not floating point (SDPA would read a bool mask "
                     "as visibility)")
         node = _strip_casts(node)
-    while node.op == "call_function" and node.target in _SCALES:
+    while _is_scale(node):
         if node.kwargs:  # torch.div(..., rounding_mode=...)
             return f"the scores are scaled with arguments the pass does not read ({node.name}: {dict(node.kwargs)})"
         left, right = node.args[:2]
@@ -156,7 +174,7 @@ def _scores_chain(scores: fx.Node) -> tuple[fx.Node, float, fx.Node | None] | st
         if isinstance(const, fx.Node) or not isinstance(const, (int, float)):
             return (f"the scores are scaled by a tensor ({node.name}); the scale must be a constant the pass can "
                     "read (a Python number, e.g. head_dim ** -0.5 or / math.sqrt(head_dim))")
-        if node.target in (operator.truediv, torch.div):
+        if node.target in _DIVISIONS:
             if tensor is not left:
                 return "the scores divide a constant"
             scale /= float(const)
@@ -185,10 +203,10 @@ def _attention(out: fx.Node, standins: set[fx.Node], writers: set[fx.Node], para
     ex = example(out)
     dim = _arg(softmax, 1, "dim")
     scores = softmax.args[0]
-    if not isinstance(ex, torch.Tensor) or ex.dim() != 4:
-        return {}, f"{out.name}: hand-written attention must be 4-D (batch, heads, seq, head_dim); bmm over merged " \
-                   "batch*heads is not read (write it 4-D, e.g. q @ k.transpose(-1, -2) on (B, H, L, D))"
-    if dim not in (-1, 3):
+    if not isinstance(ex, torch.Tensor) or ex.dim() not in (3, 4):
+        return {}, f"{out.name}: hand-written attention must be (batch, heads, seq, head_dim) or (batch*heads, seq, " \
+                   "head_dim)"
+    if not isinstance(dim, int) or dim % ex.dim() != ex.dim() - 1:
         return {}, f"{softmax.name}: the softmax runs over axis {dim}, not over the keys (the last axis)"
     dtype = _arg(softmax, 3 if softmax.target is F.softmax else 2, "dtype")  # F.softmax has _stacklevel first
     if isinstance(dtype, torch.dtype) and (
@@ -201,6 +219,23 @@ def _attention(out: fx.Node, standins: set[fx.Node], writers: set[fx.Node], para
     return {"out": out, "product": product, "v": v, "scale": scale, "mask": mask}, ""
 
 
+def _split_batch_heads(built: _Built, q: fx.Node, kt: fx.Node, v: fx.Node, mask: fx.Node | None):
+    """(B, H, ...) views of bmm's (B*H, ...) operands: the split whose query, keys and values all read their
+    tensors with batch and heads as the paged op does (`provenance`, on tags), the most heads first; or why none."""
+    BH = example(q).shape[0]
+    for heads in (h for h in range(BH, 0, -1) if BH % h == 0):
+        views = [built.method("unflatten", x, 0, (BH // heads, heads)) for x in (q, kt, v)]
+        k = built.method("transpose", views[1], -1, -2)
+        if all(provenance(x)[0] is not None for x in (views[0], k, views[2])):
+            if mask is not None and example(mask).dim() == 3 and example(mask).shape[0] == BH:
+                mask = built.method("unflatten", mask, 0, (BH // heads, heads))
+            elif mask is not None and example(mask).dim() == 3 and example(mask).shape[0] != 1:
+                return f"its mask {tuple(example(mask).shape)} does not broadcast over batch*heads"
+            return views[0], views[1], views[2], mask
+    return ("no split of its batch*heads axis reads query, keys and values with batch and heads as the paged op "
+            "does (write it 4-D: q @ k.transpose(-1, -2) on (B, H, L, D))")
+
+
 def _replace(graph: fx.Graph, found: dict) -> str:
     out, product = found["out"], found["product"]
     with graph.inserting_before(out):
@@ -208,6 +243,12 @@ def _replace(graph: fx.Graph, found: dict) -> str:
         q, kt = _product(product, built)
         probs_v = _product(out, built)
         v = probs_v[1]
+        mask = found["mask"]
+        if example(q).dim() == 3:
+            got = _split_batch_heads(built, q, kt, v, mask)
+            if isinstance(got, str):
+                return f"{out.name}: {got}"
+            q, kt, v, mask = got
         shapes = [tuple(example(x).shape) for x in (q, kt, v)]
         (B, H, L, D), kt_shape, v_shape = shapes
         if kt_shape[:2] != (B, H) or v_shape[:2] != (B, H) or kt_shape[2] != D:
@@ -215,9 +256,10 @@ def _replace(graph: fx.Graph, found: dict) -> str:
                     "heads (a broadcast product): repeat the kv heads explicitly (repeat_interleave)")
         k = built.method("transpose", kt, -1, -2)
         sdpa = graph.call_function(F.scaled_dot_product_attention, (q, k, v),
-                                   {"attn_mask": found["mask"], "scale": found["scale"]})
-        sdpa.meta["example_value"] = example(out)
-    out.replace_all_uses_with(sdpa)
+                                   {"attn_mask": mask, "scale": found["scale"]})
+        sdpa.meta["example_value"] = example(out).unflatten(0, (B, H)) if example(out).dim() == 3 else example(out)
+        result = built.method("flatten", sdpa, 0, 1) if example(out).dim() == 3 else sdpa
+    out.replace_all_uses_with(result)
     return ""
 
 
