@@ -1,4 +1,4 @@
-"""pi0's attention function as vllm-omni 0.30.0 wrote it, read by the passes as the SDPA it computes.
+"""pi0's (and pi0.5's) attention function as vllm-omni 0.30.0 wrote it, read by the passes as the SDPA it computes.
 
 `vllm_omni/diffusion/models/pi0/modeling_pi0.py: _attend` is hand-written attention (its own `_repeat_kv` by
 expand + reshape, ``matmul(q, k.transpose(2, 3)) * scaling``, an additive mask sliced to the key length, a float32
@@ -35,12 +35,15 @@ def _with_pi0_attend(attend):
     return forward
 
 
-def test_pi0_attend_pages_as_written_in_a_prefix_attention(omni, monkeypatch):
-    from vllm_omni.diffusion.models.pi0.modeling_pi0 import _attend
+@pytest.mark.parametrize("module", ["pi0.modeling_pi0", "pi05.modeling_pi05"])
+def test_pi0_attend_pages_as_written_in_a_prefix_attention(omni, monkeypatch, module):
+    """pi0's and pi0.5's own copies of `_attend` (each module has its own)."""
+    import importlib
 
-    dense, paged, backend = _run_hunyuan(monkeypatch, _with_pi0_attend(_attend), {"inner_compiler": "aot_eager"})
+    attend = importlib.import_module(f"vllm_omni.diffusion.models.{module}")._attend
+    dense, paged, backend = _run_hunyuan(monkeypatch, _with_pi0_attend(attend), {"inner_compiler": "aot_eager"})
     diff = (dense - paged).abs().max().item()
-    print(f"pi0 _attend in a prefix attention: max abs diff {diff:.3g}, frames {backend.frames}")
+    print(f"{module} _attend in a prefix attention: max abs diff {diff:.3g}, frames {backend.frames}")
     assert diff <= ATOL
     assert backend.frames == 2  # one per bucket: the prefill and the steps
     assert sorted(r.pattern for res in backend.results for r in res.reports) == ["prefill-store", "prefix-step"]
