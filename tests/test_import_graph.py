@@ -167,8 +167,8 @@ def test_the_family_word_check_finds_a_family_name():
     ("paged_kv_compile.passes.provenance", ("paged_kv_compile.passes.graph", "paged_kv_compile.passes.tags")),
     ("paged_kv_compile.passes.writes", ("paged_kv_compile.passes.graph", "paged_kv_compile.passes.tags",
                                         "paged_kv_compile.passes.provenance")),
-    ("paged_kv_compile.passes.site", ("paged_kv_compile.passes.graph", "paged_kv_compile.passes.provenance",
-                                      "paged_kv_compile.passes.writes")),
+    ("paged_kv_compile.passes.site", ("paged_kv_compile.passes.graph", "paged_kv_compile.passes.tags",
+                                      "paged_kv_compile.passes.provenance", "paged_kv_compile.passes.writes")),
     ("paged_kv_compile.passes.idioms", ("paged_kv_compile.passes.idioms", "paged_kv_compile.passes.site",
                                         "paged_kv_compile.passes.graph", "paged_kv_compile.passes.tags")),
     # the op's extra inputs are the pool's and the metadata's tensors, nothing else

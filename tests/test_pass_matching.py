@@ -122,7 +122,7 @@ def dreamzero_registers_through_window(self, x, rope_cos, rope_sin, kv_cache):
 
 
 def dreamzero_manual_softmax(self, x, rope_cos, rope_sin, kv_cache):
-    """Attention written by hand (matmul + softmax): no SDPA site to rewrite."""
+    """Attention written by hand (matmul + softmax), read as the SDPA it computes."""
     b, s, _ = x.shape
     A, M = self.action_register_length, self.max_attention_size
     q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, self.head_dim).unbind(2)
@@ -203,6 +203,10 @@ def test_other_gqa_mapping_raises_in_strict_mode(monkeypatch):
         _run_hunyuan(monkeypatch, hunyuan_tiled_gqa, {"inner_compiler": "aot_eager", "strict": True})
 
 
-def test_hand_written_attention_is_rejected_not_computed_on_zeros(monkeypatch):
-    with raises_paged(PassError, "still reads a KV-cache stand-in"):
-        _run_dreamzero(monkeypatch, dreamzero_manual_softmax, {"inner_compiler": "aot_eager"}, num_chunks=2)
+def test_hand_written_attention_is_read_as_sdpa(monkeypatch):
+    """matmul + softmax + matmul is rewritten like SDPA (passes/handwritten.py; its refusals:
+    tests/test_pass_handwritten.py)."""
+    dense, paged, backend = _run_dreamzero(monkeypatch, dreamzero_manual_softmax, {"inner_compiler": "aot_eager"},
+                                           num_chunks=2)
+    assert (dense["video"] - paged["video"]).abs().max().item() <= ATOL
+    assert [r.pattern for r in backend.results[0].reports if r.status == "rewritten"] == ["window"]

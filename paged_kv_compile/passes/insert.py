@@ -56,10 +56,11 @@ def to_bshd(graph: fx.Graph, read: LeafRead, start: int, stop: int) -> fx.Node:
     node = read.node
     if tuple(example(node).shape) != read.shape:
         node = graph.call_method("reshape", (node, *read.shape))
-    if read.seq_dim == 2 and read.head_dim_index == 1:
-        node = graph.call_method("transpose", (node, 1, 2))
-    elif read.seq_dim == 0:  # sequence-major (S, B, H, D)
-        node = graph.call_method("transpose", (node, 0, 1))
+    if read.select_dim is not None:  # a fused projection's q/k/v axis (or a cache's K/V axis): the half read
+        node = graph.call_method("select", (node, read.select_dim, read.kv_index))
+    axes = read.bshd_axes()
+    if axes != (0, 1, 2, 3):
+        node = graph.call_method("permute", (node, *axes))
     if (start, stop) != (0, read.shape[read.seq_dim]):
         node = graph.call_function(operator.getitem, (node, (slice(None), slice(start, stop))))
     return node

@@ -26,7 +26,19 @@ class LeafRead:
     shape: tuple[int, ...]  # the leaf read with heads split out, e.g. (B, S, H*D) read as (B, S, H, D)
     seq_dim: int  # which dim of `shape` is the sequence
     head_dim_index: int  # which dim is the head axis
-    kv_index: int | None  # for a leaf with a leading K/V axis (a (2, B, L, H, D) cache): which half
+    #: with a selector axis (`select_dim`: a cache's leading K/V axis, or a fused projection's q/k/v axis
+    #: anywhere, e.g. (B, L, 3, H, D)): the one index of it that is read
+    kv_index: int | None
+    select_dim: int | None = None
+    batch_dim: int = 0
+    feature_dim: int = -1  # which dim is head_dim (the last unless the selector comes after it)
+
+    def bshd_axes(self) -> tuple[int, int, int, int]:
+        """(batch, seq, heads, head_dim) axes of the leaf read as `shape` once the selector axis is indexed away."""
+        def after_select(axis: int) -> int:
+            axis %= len(self.shape)
+            return axis - 1 if self.select_dim is not None and axis > self.select_dim else axis
+        return tuple(after_select(a) for a in (self.batch_dim, self.seq_dim, self.head_dim_index, self.feature_dim))
 
 
 @dataclass
@@ -51,20 +63,44 @@ class Provenance:
         return out
 
 
+_FOUR_AXIS_ORDERS = [(0, 1, 2, 3), (0, 2, 1, 3), (1, 0, 2, 3)]  # (batch, seq, head, dim): BSHD, BHSD, SBHD
+
+
 def _axis_orders(ndim: int) -> list[tuple[int | None, int, int, int, int]]:
-    """Candidate (kv, batch, seq, head, dim) axes of a leaf of `ndim` dims: token-major, head-major, and for 4 dims
-    sequence-major (S, B, H, D), what a Ulysses all-to-all receives (vllm-omni's `all_to_all_4D`)."""
+    """Candidate (selector, batch, seq, head, dim) axes of a leaf of `ndim` dims: token-major, head-major, and for 4
+    dims sequence-major (S, B, H, D), what a Ulysses all-to-all receives (vllm-omni's `all_to_all_4D`); for 5
+    dims the same with a selector axis anywhere (a cache's leading K/V axis first, then a fused projection's
+    q/k/v axis: (B, L, 3, H, D), (B, L, H, 3, D), ...)."""
     if ndim == 4:
-        return [(None, 0, 1, 2, 3), (None, 0, 2, 1, 3), (None, 1, 0, 2, 3)]
+        return [(None, *order) for order in _FOUR_AXIS_ORDERS]
     if ndim == 5:
-        return [(0, 1, 2, 3, 4), (0, 1, 3, 2, 4)]
+        out = []
+        for sel in range(5):
+            rest = [a for a in range(5) if a != sel]
+            out += [(sel, *(rest[i] for i in order)) for order in _FOUR_AXIS_ORDERS]
+        return out
     return []
 
 
-def _read_shapes(shape: tuple[int, ...], head_dim: int, batch: int):
+def _selector_splits(shape: tuple[int, ...], head_dim: int, heads: int) -> list[tuple[int, ...]]:
+    """`shape` with one axis split into a selector and heads: a fused q/k/v feature axis m*H*D as (m, H, D) or
+    (H, m, D), a fused head axis m*H as (m, H); H any divisor of the query heads (GQA)."""
+    out = []
+    for i, n in enumerate(shape):
+        for kv_heads in (g for g in range(1, heads + 1) if heads % g == 0):
+            if i == len(shape) - 1 and n % (kv_heads * head_dim) == 0 and n > kv_heads * head_dim:
+                m = n // (kv_heads * head_dim)
+                out += [shape[:i] + (m, kv_heads, head_dim), shape[:i] + (kv_heads, m, head_dim)]
+            elif i < len(shape) - 1 and n % kv_heads == 0 and n > kv_heads and len(shape) == 4:
+                out.append(shape[:i] + (n // kv_heads, kv_heads) + shape[i + 1:])
+    return out
+
+
+def _read_shapes(shape: tuple[int, ...], head_dim: int, batch: int, heads: int):
     """(shape to read the leaf as, axes) pairs: as is; with a fused H*D last axis split in two; with a leading
-    flattened token axis (vLLM's (num_tokens, H, D) or (num_tokens, H*D)) split into (batch, seq); and with two
-    leading axes merged (a Ulysses all-to-all's received (U, S/U, B, H, D) buffer read as (S, B, H, D)).
+    flattened token axis (vLLM's (num_tokens, H, D) or (num_tokens, H*D)) split into (batch, seq); with two
+    leading axes merged (a Ulysses all-to-all's received (U, S/U, B, H, D) buffer read as (S, B, H, D)); and last
+    with a selector axis split out of a fused projection (`_selector_splits`).
     Splits and merges keep row-major order, so every candidate is verified element by element by the caller."""
     shapes = [shape]
     if shape and shape[-1] % head_dim == 0 and shape[-1] != head_dim:
@@ -74,6 +110,8 @@ def _read_shapes(shape: tuple[int, ...], head_dim: int, batch: int):
             shapes.append((batch, s[0] // batch) + s[1:])
         if len(s) == 5:
             shapes.append((s[0] * s[1],) + s[2:])
+    shapes += [split for s in list(shapes) if len(s) in (3, 4) for split in _selector_splits(s, head_dim, heads)]
+    shapes = list(dict.fromkeys(shapes))
     return [(s, axes) for s in shapes for axes in _axis_orders(len(s))]
 
 
@@ -83,7 +121,7 @@ def _leaf_read(leaf: fx.Node, flat: torch.Tensor) -> tuple[LeafRead, list[int]] 
     Bx, Hx, _, Dx = flat.shape
     b_idx = torch.arange(Bx).view(-1, 1, 1, 1)
     d_idx = torch.arange(Dx).view(1, 1, 1, -1)
-    for shape, (kv, b, s, h, d) in _read_shapes(tuple(example(leaf).shape), Dx, Bx):
+    for shape, (kv, b, s, h, d) in _read_shapes(tuple(example(leaf).shape), Dx, Bx, Hx):
         if shape[b] != Bx or shape[d] != Dx or Hx % shape[h]:
             continue
         strides = [1] * len(shape)
@@ -99,7 +137,8 @@ def _leaf_read(leaf: fx.Node, flat: torch.Tensor) -> tuple[LeafRead, list[int]] 
             and (kv is None or bool((coords[kv] == coords[kv].flatten()[0]).all()))
         ):
             kv_index = None if kv is None else int(coords[kv].flatten()[0])
-            return LeafRead(leaf, shape, s, h, kv_index), coords[s][0, 0, :, 0].tolist()
+            read = LeafRead(leaf, shape, s, h, kv_index, kv, b, d)
+            return read, coords[s][0, 0, :, 0].tolist()
     return None
 
 

@@ -21,6 +21,7 @@ import torch.fx as fx
 from ..errors import PassError
 from .extra_inputs import extra_inputs
 from .graph import SDPA_TARGETS, example, find_parameter, sdpa_args, source_name
+from .handwritten import canonicalize
 from .idioms import Match
 from .insert import add_inputs, insert_attend, insert_write_attend
 from .match import match_site
@@ -228,6 +229,9 @@ def rewrite(
     _refuse_dynamic_shapes(inputs.placeholders)
     stores = store_nodes(graph, inputs.standins)
     found = _Found()
+    for node, why in canonicalize(graph, inputs.standins, stores, inputs.params):  # hand-written: SDPA if proven
+        _refuse(found, node, "KV-cache stand-in", why, strict)
+    sdpa_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
     for node in sdpa_nodes:
         source = region_source(node, inputs.regions) if inputs.regions else None
         if source is not None:

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from .graph import ancestors, example, find_parameter, sdpa_args
 from .provenance import LeafRead, Provenance, joining_columns, provenance
+from .tags import CAT_FUNCTIONS, movement_leaves
 from .writes import (
     PositionedWrite,
     Writes,
@@ -182,8 +183,29 @@ def _split(prov: Provenance, standins: set[fx.Node]) -> tuple[list[int], list[tu
     return history, new, ""
 
 
+def _computed_after_concatenation(args: dict, standins: set[fx.Node], history: dict[str, list[int]]) -> str:
+    """Where keys/values read a stand-in through computation applied after it is concatenated with new tokens
+    (LongCat-Video-Avatar's RoPE over ``cat([k_cache, k])``, its cache holding keys before RoPE): the refusal's
+    explanation and fix ("" when that is not the case). `history`: the cache columns each input reads as data."""
+    for name in ("key", "value"):
+        if history[name]:
+            continue
+        for node in sorted(ancestors(args[name]), key=lambda n: n.name):
+            if (node.op != "call_function" or node.target not in CAT_FUNCTIONS
+                    or not isinstance(node.args[0], (list, tuple))):
+                continue
+            parts = [set(movement_leaves(p)[0]) if isinstance(p, fx.Node) else set() for p in node.args[0]]
+            if any(p and p <= standins for p in parts) and any(p and not p & standins for p in parts):
+                return (f": the {name}s are computed from the concatenation {node.name} of cached and new tokens "
+                        "(e.g. RoPE applied after cat([k_cache, k]), the cache holding keys before RoPE), and the "
+                        "paged op can only keep the keys it attends with. Fix: apply the computation (RoPE at each "
+                        "token's position) to the new keys before the concatenation, so that the cache holds the "
+                        "keys as attended; cached tokens keep their positions, so this computes the same")
+    return ""
+
+
 def _columns(provs: dict[str, Provenance], standins: set[fx.Node],
-             stores: list[fx.Node]) -> tuple[KeyColumns, NewTokens] | str:
+             stores: list[fx.Node], args: dict) -> tuple[KeyColumns, NewTokens] | str:
     """The key columns (history then new tokens) and the new tokens of query, keys and values, checked to agree."""
     split = {name: _split(provs[name], standins) for name in _INPUTS}
     why = next((split[name][2] for name in ("key", "value", "query") if split[name][2]), "")
@@ -192,6 +214,9 @@ def _columns(provs: dict[str, Provenance], standins: set[fx.Node],
     (k_hist, k_new, _), (v_hist, v_new, _), (q_hist, q_new, _) = (split[name] for name in ("key", "value", "query"))
     if q_hist:
         return "the query reads a cache stand-in"
+    computed = _computed_after_concatenation(args, standins, {"key": k_hist, "value": v_hist})
+    if computed:
+        return "a cache stand-in feeds its keys/values through computation, not only data movement" + computed
     if not (k_hist or v_hist or stores):
         return "a cache stand-in feeds its keys/values through computation, not only data movement"
     sizes = [len(p) for _, p in k_new]
@@ -225,12 +250,18 @@ def _joining(provs: dict[str, Provenance], history: int, standins: set[fx.Node])
     return joining[0]
 
 
-def _cache_read(provs: dict[str, Provenance], standins: set[fx.Node]) -> CacheRead:
+def _cache_read(provs: dict[str, Provenance], standins: set[fx.Node]) -> CacheRead | str:
     """Which stand-in the keys read their history from (the first such), and which K/V halves they read."""
     halves = []
     for name in ("key", "value"):
         leaf = next((leaf for leaf, _ in provs[name].columns if leaf in standins), None)
         halves.append(None if leaf is None else provs[name].reads[leaf])
+        read = halves[-1]
+        if read is not None and read.select_dim is not None and (
+                read.select_dim != 0 or read.shape != tuple(example(leaf).shape)):
+            return (f"its {name}s read the cache stand-in {leaf.name} {tuple(example(leaf).shape)} as {read.shape} "
+                    f"through a selector on axis {read.select_dim}: a cache with a K/V axis must be (2, B, L, H, D) "
+                    "with that axis leading")
     key, value = halves
     if key is None:
         return CacheRead(value_half=value.kv_index if value is not None else None)
@@ -263,7 +294,7 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
     if isinstance(reads, str):
         return reads
     mine = list(dict.fromkeys(mine + reads.written))
-    got = _columns(reads.provs, standins, mine)
+    got = _columns(reads.provs, standins, mine, args)
     if isinstance(got, str):
         return got
     keys, new = got
@@ -275,4 +306,7 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
     if isinstance(joining, str):
         return joining
     keys.joining = joining
-    return Site(node, args, new, keys, _cache_read(reads.provs, standins), _cache_writes(mine, reads))
+    cache = _cache_read(reads.provs, standins)
+    if isinstance(cache, str):
+        return cache
+    return Site(node, args, new, keys, cache, _cache_writes(mine, reads))
