@@ -22,7 +22,7 @@ from ..errors import CapacityError, ConfigError, RequestError
 from ..layout import RowLayout
 from ..models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel, dreamzero_steps
 from ..models.hooks import Forward
-from ..passes.idioms import ROLLING_CACHE, WINDOW, RollingExpect, WindowExpect
+from ..passes.idioms import CAPACITY_WINDOW, ROLLING_CACHE, WINDOW, CapacityWindowExpect, RollingExpect, WindowExpect
 from .base import (BlockSource, Demo, DemoForks, DemoLane, Family, ForwardPlan, Owner, ceil_div, pool_config,
                    reuse_layouts)
 
@@ -190,7 +190,7 @@ class DreamZeroFamily(Family):
     noun = "session"
     spec_type = DreamZeroSpec
     evict_lru = True
-    idioms = (WINDOW, ROLLING_CACHE)
+    idioms = (WINDOW, ROLLING_CACHE, CAPACITY_WINDOW)
 
     # ---- admission and forwards -------------------------------------------------------------
     def rows(self, spec: DreamZeroSpec, requested: int | None) -> int:
@@ -339,13 +339,23 @@ class DreamZeroFamily(Family):
     def history_dropped(self, owner: Owner) -> None:
         owner.state.pop("commits", None)
 
-    def check_expectation(self, expect: WindowExpect | RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
+    def check_expectation(self, expect: WindowExpect | RollingExpect | CapacityWindowExpect, owner: Owner,
+                          plan: ForwardPlan) -> None:
         spec: DreamZeroSpec = owner.spec
         have = {"window_tokens": spec.window_tokens, "sink_tokens": spec.sink_tokens, **plan.phase}
         if isinstance(expect, RollingExpect):
             if expect.sink_tokens is None:
                 del have["sink_tokens"]
             _check_rolling_history(expect, owner, plan)
+        if isinstance(expect, CapacityWindowExpect):
+            del have["sink_tokens"]  # the graph shows a full cache, not its sink: the session's spec holds it
+            if expect.keeps != plan.keeps_kv:
+                raise RequestError(
+                    f"this compiled capacity-window graph {'keeps' if expect.keeps else 'discards'} its K/V (the model "
+                    f"{'writes' if expect.keeps else 'does not write'} its cache back) but this is a {plan.kind} forward "
+                    f"of {owner.owner_id!r}, which {'keeps' if plan.keeps_kv else 'discards'} it: run a forward that "
+                    "updates the model's cache as a commit and one that does not as a denoising step"
+                )
         diff = {k: (getattr(expect, k), v) for k, v in have.items() if getattr(expect, k) != v}
         if diff:
             raise RequestError(

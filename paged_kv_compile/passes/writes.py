@@ -51,6 +51,31 @@ def store_weight(store: fx.Node, params: set[fx.Node]) -> fx.Node | None:
     return find_parameter(sources, params) if sources else None
 
 
+#: movement that materializes its result (a new tensor): reading from it after a store does not see the store
+_MATERIALIZING = {"cat", "concat", "concatenate", "stack", "clone"}
+
+
+def _materializes(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in _MATERIALIZING
+
+
+def _reads_after(store: fx.Node, chain: fx.Node, standins: set[fx.Node], order: dict) -> bool:
+    """Whether the movement chain ending at `chain` reads stand-in memory after `store` ran: a node of it later in
+    the graph than the store takes a stand-in or a view of one (anything but a materializing copy of it) as input.
+    A chain that copied the cache out before the store (LingBot-World's ``cat`` before its ``copy_`` write-back)
+    attends over the cache as it was, not as written."""
+    leaves, moves = movement_leaves(chain)
+    aliases = {leaf for leaf in leaves if leaf in standins}
+    for n in sorted(moves, key=order.__getitem__):
+        inputs = set(n.all_input_nodes)
+        if order[n] > order[store] and inputs & aliases:
+            return True
+        if not _materializes(n) and inputs & aliases:
+            aliases.add(n)
+    return False
+
+
 def stores_read_back(node: fx.Node, args: dict, standins: set[fx.Node], stores: list[fx.Node]) -> list[fx.Node]:
     """Stores (in graph order) into a stand-in that the site `node`'s keys/values read back after the write."""
     order = node_order(node.graph)
@@ -59,7 +84,31 @@ def stores_read_back(node: fx.Node, args: dict, standins: set[fx.Node], stores: 
         leaves, _ = movement_leaves(args[name])
         read |= {leaf for leaf in leaves if leaf in standins}
     before = [s for s in stores if order[s] < order[node]]
-    return [s for s in before if set(movement_leaves(s.args[0])[0]) & read]
+    return [s for s in before if set(movement_leaves(s.args[0])[0]) & read
+            and any(_reads_after(s, args[name], standins, order) for name in ("key", "value"))]
+
+
+def writes_back_attended(store: fx.Node, attended: dict, prov_values: dict) -> bool:
+    """Whether `store` writes exactly the keys (or values) the attention reads, all of them, into the cache it
+    read them from: the model's cache then holds the attended history plus the new tokens, which is what a
+    committing forward of the paged op keeps (LingBot-World's ``cache.key[:, :end].copy_(cat(history, new))``).
+
+    `attended`: "key"/"value" -> the SDPA input; `prov_values`: "key"/"value" -> the tags of that input's chain.
+    Compared on tags: the written value must be a movement ancestor of the attended input holding the same
+    elements (the attended input is a rearrangement of it)."""
+    value = store.args[STORE_VALUE_ARG["copy_"]] if store_name(store) == "copy_" and len(store.args) > 1 else None
+    if not isinstance(value, fx.Node) or not set(movement_leaves(store.args[0])[0]) & set(movement_leaves(value)[0]):
+        return False  # not a copy, or into another tensor than the cache the value reads
+    for name, node in attended.items():
+        tags = prov_values[name]
+        if value not in tags or not isinstance(tags.get(node), torch.Tensor):
+            continue
+        got, want = tags[value].flatten(), tags[node].flatten()
+        dest = example(store.args[0])
+        if got.numel() == want.numel() and torch.equal(got.sort().values, want.sort().values) \
+                and dest is not None and tuple(dest.shape) == tuple(tags[value].shape):
+            return True
+    return False
 
 
 def store_problem(store: fx.Node, new_leaves: set[fx.Node], followed: set[fx.Node] = frozenset(),
