@@ -86,6 +86,18 @@ class DreamZeroSpec:
             commit_action_tokens=0,
         )
 
+    @classmethod
+    def from_lingbot_world(cls, model, latent_height: int, latent_width: int) -> "DreamZeroSpec":
+        """From vllm-omni's `CausalLingBotWorldTransformer3DModel` (duck-typed) at a latent size: its cache capacity
+        (`local_attn_size`, else `sliding_window_num_frames`, the sink and the current block included), its sink and
+        its block. The capacity-window graph shows the capacity, not the sink: this config is where the sink is
+        read from (`passes/idioms/lingbot.py`)."""
+        cfg = model.config
+        _, patch_h, patch_w = cfg.patch_size
+        window = cfg.local_attn_size if cfg.local_attn_size != -1 else cfg.sliding_window_num_frames
+        return cls(frame_seqlen=(latent_height // patch_h) * (latent_width // patch_w),
+                   chunk_frames=cfg.num_frames_per_block, window_frames=window, sink_frames=cfg.sink_size)
+
     @property
     def chunk_tokens(self) -> int:
         return self.chunk_frames * self.frame_seqlen

@@ -69,10 +69,10 @@ class TinyLingBot:
     def chunk_tokens(self) -> int:
         return self.frames_per_block * self.tokens_per_frame
 
-    def spec(self) -> DreamZeroSpec:
-        """The session's window: the sink frames resident, the most recent frames beside them, the chunk included."""
-        return DreamZeroSpec(frame_seqlen=self.tokens_per_frame, chunk_frames=self.frames_per_block,
-                             window_frames=self.window_frames, sink_frames=self.sink_frames)
+    def spec(self, model) -> DreamZeroSpec:
+        """The session's window, read from the model's config: the sink frames resident, the most recent frames
+        beside them, the chunk included."""
+        return DreamZeroSpec.from_lingbot_world(model, *self.latent_hw)
 
 
 def install() -> None:
@@ -168,11 +168,22 @@ class Recorder:
             tokens = self.model.config.patch_size[1] * self.model.config.patch_size[2]
             frame_tokens = kwargs["hidden_states"].shape[3] * kwargs["hidden_states"].shape[4] // tokens
             chunk = kwargs["hidden_states"].shape[2] * frame_tokens
+            check_sink(self.runtime, self.owner, self.model, frame_tokens)
             present(kwargs["cache"], kwargs["start_frame"] * frame_tokens, chunk)
             with self.runtime.forward(self.owner, "commit" if kwargs["update_cache"] else "denoise"):
                 out = self.model(**kwargs)
         self.outputs.append(out)
         return out
+
+
+def check_sink(runtime: PagedKVRuntime, owner: str, model, frame_tokens: int) -> None:
+    """The session's sink must be the model's (`config.sink_size` frames): the graph cannot show it, and another
+    sink would keep other history than LingBot's cache does. Checked before every forward."""
+    spec = runtime.owner(owner).spec
+    want = model.config.sink_size * frame_tokens
+    if spec.sink_tokens != want:
+        raise ValueError(f"session {owner!r} keeps a {spec.sink_tokens}-token sink but the LingBot model's is {want} "
+                         "tokens (config.sink_size frames): admit it with DreamZeroSpec.from_lingbot_world(model, h, w)")
 
 
 def present(cache, current_start: int, chunk: int) -> None:

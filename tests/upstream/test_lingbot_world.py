@@ -19,7 +19,7 @@ BLOCKS = 5  # 5 one-frame blocks through a 3-frame window with a 1-frame sink: t
 def _paged(model, geometry, inputs, backend):
     """The rollout paged; also the frame count after the first block (history empty, then one frame)."""
     rt = lb.paged_runtime(geometry, model)
-    rt.admit("s", geometry.spec(), rows=1)
+    rt.admit("s", geometry.spec(model), rows=1)
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=True, dynamic=False)
     recorder = lb.Recorder(model, runtime=rt)
@@ -58,3 +58,24 @@ def test_lingbot_world_pages_as_written_with_parity_and_one_frame_per_phase(omni
     assert patterns == {"capacity-window"}, patterns
     held = geometry.window_frames - geometry.frames_per_block  # after a commit the window keeps room for the next
     assert rt.scheduler.allocator.num_free == rt.pool.blocks_per_layer - held, rt.scheduler.allocator.num_free
+
+
+def test_lingbot_world_session_with_another_sink_is_refused_before_any_forward(omni_ctx):
+    """The capacity-window graph shows LingBot's cache capacity, not its sink: a session admitted with another sink
+    would keep other history (measured: wrong from the first slide of the window), so the driver refuses it before
+    the first forward, naming the fix; nothing was planned (the session holds no block)."""
+    import dataclasses
+
+    geometry = lb.TinyLingBot()
+    inputs = lb.block_inputs(geometry, 1)
+    with torch.no_grad():
+        model = lb.build(geometry)
+        rt = lb.paged_runtime(geometry, model)
+        rt.admit("s", dataclasses.replace(geometry.spec(model), sink_frames=0), rows=1)
+        free = rt.scheduler.allocator.num_free
+        recorder = lb.Recorder(model, runtime=rt)
+        cache = lb.standin_cache(rt, model, geometry, inputs["prompt_embeds"])
+        with pytest.raises(ValueError, match=r"keeps a 0-token sink but the LingBot model's is 4 tokens .*"
+                                             r"DreamZeroSpec.from_lingbot_world"):
+            lb.rollout(recorder, cache, geometry, inputs)
+    assert recorder.outputs == [] and rt.scheduler.allocator.num_free == free
