@@ -79,3 +79,39 @@ def test_lingbot_world_session_with_another_sink_is_refused_before_any_forward(o
                                              r"DreamZeroSpec.from_lingbot_world"):
             lb.rollout(recorder, cache, geometry, inputs)
     assert recorder.outputs == [] and rt.scheduler.allocator.num_free == free
+
+
+def test_lingbot_world_first_chunk_on_its_own_fresh_cursor_names_nothing_to_page(omni_ctx):
+    """As a new user tries it (the issue's report): stand-ins behind LingBot's own fresh cursor (`last_start=None`).
+    Its first chunk attends over its new tokens only and its probes write no cache, so the compiled blocks have
+    nothing to page: the runtime refuses the forward naming that cause, not stand-ins read outside a compiled
+    graph, and rolls it back."""
+    from paged_kv_compile.errors import RequestError
+
+    lb.install()
+    from vllm_omni.diffusion.models.lingbot_world.transformer import LingBotAttentionCache
+
+    geometry = lb.TinyLingBot()
+    inputs = lb.block_inputs(geometry, 1)
+    with torch.no_grad():
+        model = lb.build(geometry)
+        rt = lb.paged_runtime(geometry, model)
+        rt.admit("s", geometry.spec(model), rows=1)
+        free = rt.scheduler.allocator.num_free
+        for block in model.blocks:
+            block.compile(backend=CountingBackend({"inner_compiler": "aot_eager"}), fullgraph=True, dynamic=False)
+        cache = lb.standin_cache(rt, model, geometry, inputs["prompt_embeds"])
+        cache.self_attention = [LingBotAttentionCache(key=c.key, value=c.value) for c in cache.self_attention]
+
+        def fresh_cursor(**kwargs):
+            with rt.forward("s", "commit" if kwargs["update_cache"] else "denoise"):
+                return model(**kwargs)
+
+        fresh_cursor.config = model.config
+        with pytest.raises(RequestError) as err:
+            lb.rollout(fresh_cursor, cache, geometry, inputs)
+    message = str(err.value)
+    assert "no paged attention ran in this denoise forward of 's': its blocks ran compiled with backend='paged_kv', " \
+           "but the graphs they ran had nothing to page" in message, message
+    assert "outside a compiled graph" not in message
+    assert rt.scheduler.allocator.num_free == free
