@@ -204,12 +204,16 @@ def dense_cache(model, geometry: TinyLingBot, prompt_embeds: torch.Tensor):
     return cache
 
 
+def runtime_config(geometry: TinyLingBot, *, heads: int) -> PagedKVConfig:
+    """The pool of one session of `geometry` holding `heads` KV heads (block size: one frame's tokens)."""
+    return PagedKVConfig(num_layers=geometry.num_layers, num_kv_heads=heads, head_dim=geometry.head_dim,
+                         block_size=geometry.tokens_per_frame, blocks_per_layer=geometry.window_frames + 2, max_rows=1,
+                         scratch_tokens_per_row=geometry.chunk_tokens, kernel="reference")
+
+
 def paged_runtime(geometry: TinyLingBot, model) -> PagedKVRuntime:
-    """A runtime for one session of `geometry`, bound to the model's blocks (block size: one frame's tokens)."""
-    rt = PagedKVRuntime(PagedKVConfig(
-        num_layers=geometry.num_layers, num_kv_heads=model.blocks[0].self_attn.num_sp_heads,
-        head_dim=geometry.head_dim, block_size=geometry.tokens_per_frame, blocks_per_layer=geometry.window_frames + 2,
-        max_rows=1, scratch_tokens_per_row=geometry.chunk_tokens, kernel="reference"))
+    """A one-rank runtime for one session of `geometry`, bound to the model's blocks."""
+    rt = PagedKVRuntime(runtime_config(geometry, heads=model.blocks[0].self_attn.num_sp_heads))
     rt.bind(model.blocks)
     return rt
 
