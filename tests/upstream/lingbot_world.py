@@ -245,3 +245,62 @@ def rollout(transformer: Callable, cache, geometry: TinyLingBot, inputs: dict[st
             cache=cache, ar=None, start_frame=b * geometry.frames_per_block, schedule=schedule, generator=generator,
             progress_bar=_Progress()))
     return latents
+
+
+def native_state(model, geometry: TinyLingBot, *, session_id: str = "s", available_bytes: int = 1 << 24):
+    """vllm-omni's own AR-Diffusion KV for one LingBot session, built as `ARDiffusionModelRunner` builds it
+    (`_preallocate_kv_cache`, `_new_session_state`) from the spec LingBot's pipeline declares
+    (`ar_diffusion_kv_cache_spec`: its recent window is the capacity less the sink; one branch "main"; the text
+    K/V as the named cross-attention "text"), without the pipeline object (its constructor loads a checkpoint)."""
+    import dataclasses
+
+    from vllm_omni.experimental.ar_diffusion.capability import (
+        ARDiffusionCrossAttentionKVSpec, ARDiffusionKVBranchSpec, ARDiffusionKVCacheSpec)
+    from vllm_omni.experimental.ar_diffusion.kv_cache.config import ARDiffusionKVConfig
+    from vllm_omni.experimental.ar_diffusion.kv_cache.manager import ARDiffusionKVCache
+    from vllm_omni.experimental.ar_diffusion.kv_cache.state import ARDiffusionKVState
+
+    heads = model.blocks[0].self_attn.num_sp_heads
+    spec = ARDiffusionKVCacheSpec(
+        num_layers=geometry.num_layers, num_kv_heads=heads, head_size=geometry.head_dim,
+        tokens_per_frame=geometry.tokens_per_frame, frames_per_block=geometry.frames_per_block,
+        window_frames=geometry.window_frames - geometry.sink_frames, sink_frames=geometry.sink_frames,
+        kv_branches=(ARDiffusionKVBranchSpec("main", 0),), session_capacity=1,
+        cross_attention=(ARDiffusionCrossAttentionKVSpec("text", geometry.text_len,
+                                                         num_kv_heads=model.blocks[0].cross_attn.num_local_heads),))
+    config = dataclasses.replace(ARDiffusionKVConfig(enable=True), chunk_size=spec.tokens_per_frame,
+                                 window_chunks=spec.window_frames, sink_chunks=spec.sink_frames)
+    cache = ARDiffusionKVCache(
+        config, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+        dtype=torch.float32, block_size=spec.tokens_per_frame, max_model_len=spec.max_model_len,
+        available_bytes=available_bytes, kv_branches=spec.kv_branches, session_capacity=spec.session_capacity,
+        cross_attention_lengths=spec.cross_attention_lengths, cross_attention_kv_heads=spec.cross_attention_kv_heads,
+        frames_per_block=spec.frames_per_block, max_scratch_tokens_per_branch=spec.max_scratch_tokens_per_branch,
+        model_owned_state_bytes_per_session=0, device=torch.device("cpu"))
+    adapters = {b.name: cache.begin_request(f"ar::{session_id}::{b.name}") for b in spec.kv_branches}
+    return ARDiffusionKVState(cache, session_id, adapters, num_layers=spec.num_layers)
+
+
+def native_rollout(transformer: Callable, model, state, geometry: TinyLingBot, inputs: dict[str, Any], *,
+                   seed: int = 0, schedule=SCHEDULE) -> list[torch.Tensor]:
+    """`generate_block` on vllm-omni's own paged path: the block runner gets the bound session (`ARBlockContext`),
+    asks it for `get_kv_caches`, and every self-attention runs vllm-omni's `paged_write_attn`; the text K/V is
+    populated once into the session's cross-attention pool, as the pipeline's `_ar_text_caches` does."""
+    from vllm_omni.diffusion.models.lingbot_world.dmd_block import ARBlockContext, LingBotDMDBlockRunner
+    from vllm_omni.diffusion.models.lingbot_world.transformer import LingBotAttentionCache
+
+    prompt = inputs["prompt_embeds"]
+    if not state.is_cross_attention_populated("main", "text"):
+        state.populate_cross_attention("main", "text", ((c.key, c.value) for c in text_caches(model, prompt)))
+    cross = [LingBotAttentionCache(key=layer["k"], value=layer["v"], end=prompt.shape[1], absolute_end=prompt.shape[1],
+                                   last_start=0) for layer in state.get_cross_attention_kv("main", "text")]
+    runner = LingBotDMDBlockRunner(transformer, device=torch.device("cpu"), enforce_eager=True)
+    generator = torch.Generator().manual_seed(seed)
+    latents = []
+    for b in range(len(inputs["conditions"])):
+        latents.append(runner.generate_block(
+            condition=inputs["conditions"][b], camera=inputs["cameras"][b], prompt_embeds=prompt, cache=None,
+            ar=ARBlockContext(state=state, cross_attention=cross, branch="main"),
+            start_frame=b * geometry.frames_per_block, schedule=schedule, generator=generator,
+            progress_bar=_Progress()))
+    return latents
