@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from .graph import example, find_parameter, node_order
 from .provenance import Provenance
-from .tags import leaf_index, movement_leaves, offset
+from .tags import evaluate, leaf_index, movement_leaves, offset
 
 STORE_METHODS = {"copy_", "__setitem__", "index_put_", "index_copy_", "fill_", "zero_", "masked_fill_"}
 _STORE_FUNCTIONS = {"setitem", "copy_", "index_put_"}
@@ -99,16 +99,32 @@ def writes_back_attended(store: fx.Node, attended: dict, prov_values: dict) -> b
     value = store.args[STORE_VALUE_ARG["copy_"]] if store_name(store) == "copy_" and len(store.args) > 1 else None
     if not isinstance(value, fx.Node) or not set(movement_leaves(store.args[0])[0]) & set(movement_leaves(value)[0]):
         return False  # not a copy, or into another tensor than the cache the value reads
+    if not _writes_a_prefix(store.args[0], example(value)):
+        return False
     for name, node in attended.items():
         tags = prov_values[name]
         if value not in tags or not isinstance(tags.get(node), torch.Tensor):
             continue
         got, want = tags[value].flatten(), tags[node].flatten()
-        dest = example(store.args[0])
-        if got.numel() == want.numel() and torch.equal(got.sort().values, want.sort().values) \
-                and dest is not None and tuple(dest.shape) == tuple(tags[value].shape):
+        if got.numel() == want.numel() and torch.equal(got.sort().values, want.sort().values):
             return True
     return False
+
+
+def _writes_a_prefix(dest: fx.Node, value: torch.Tensor | None) -> bool:
+    """Whether `dest` is the first `value.shape[1]` slots (axis 1) of one (B, L, H, D) cache, in order: what the
+    cache's next forward reads as its history then starts from slot 0 (read on tags)."""
+    leaves, moves = movement_leaves(dest)
+    ex = example(leaves[0]) if len(leaves) == 1 else None
+    if value is None or ex is None or ex.dim() != 4 or value.dim() != 4:
+        return False
+    values = evaluate(dest, leaves, moves)
+    tags = values.get(dest) if values is not None else None
+    if not isinstance(tags, torch.Tensor) or tuple(tags.shape) != tuple(value.shape):
+        return False
+    B, L, H, D = ex.shape
+    want = torch.arange(B * L * H * D).view(B, L, H, D)[:, : value.shape[1]]
+    return torch.equal(offset(tags), want)
 
 
 def store_problem(store: fx.Node, new_leaves: set[fx.Node], followed: set[fx.Node] = frozenset(),

@@ -26,11 +26,11 @@ class CapacityWindowAttention(torch.nn.Module):
     """LingBot-World's cache arithmetic at a repeated start, on (B, C, H, D) key/value caches; `write_back`
     chooses what a commit copies into the cache (LingBot's: exactly the attended keys/values)."""
 
-    def __init__(self, write_back=lambda attended: attended) -> None:
+    def __init__(self, write_back=lambda attended: attended, into=lambda cache: cache[:, :C]) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.qkv = torch.nn.Linear(H * D, 3 * H * D)
-        self.write_back = write_back
+        self.write_back, self.into = write_back, into
 
     def forward(self, x: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, update: bool) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(2, (3, H, D)).unbind(2)
@@ -38,8 +38,8 @@ class CapacityWindowAttention(torch.nn.Module):
         next_k = torch.cat((cache_k[:, : C - chunk], k), dim=1)
         next_v = torch.cat((cache_v[:, : C - chunk], v), dim=1)
         if update:
-            cache_k[:, :C].copy_(self.write_back(next_k))
-            cache_v[:, :C].copy_(self.write_back(next_v))
+            self.into(cache_k).copy_(self.write_back(next_k))
+            self.into(cache_v).copy_(self.write_back(next_v))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), next_k.transpose(1, 2), next_v.transpose(1, 2))
         return out.transpose(1, 2).flatten(2)
 
@@ -77,10 +77,20 @@ def test_capacity_window_pages_probes_and_commits_and_refuses_a_commit_graph_run
     assert [result.expect.keeps for result in backend.results] == [False, True]
 
 
-def test_capacity_window_refuses_a_write_back_of_anything_but_the_attended_keys():
-    """A commit that copies something else into the cache than what it attended (here the keys scaled) cannot be
-    kept by the paged op: refused in strict mode with the reason, never rewritten."""
-    rt, kv, compiled, _ = _setup(CapacityWindowAttention(write_back=lambda attended: attended * 2))
+#: the attended keys written back scaled; or written back whole but into the cache's slots in another order (a view
+#: that scrambles them), so that the next forward's history slots would not be the tokens the window keeps
+WRONG_WRITE_BACKS = {
+    "scaled": dict(write_back=lambda attended: attended * 2),
+    "scrambled": dict(into=lambda cache: cache.view(1, C * H * D).view(1, H, C, D).transpose(1, 2)),
+}
+
+
+@pytest.mark.parametrize("wrong", sorted(WRONG_WRITE_BACKS))
+def test_capacity_window_refuses_a_write_back_of_anything_but_the_attended_keys_in_order(wrong):
+    """A commit that copies into the cache something else than what it attended, or the attended keys into other
+    slots than the cache's first ones in order, cannot be kept by the paged op: refused in strict mode with the
+    reason, never rewritten; no block is held."""
+    rt, kv, compiled, _ = _setup(CapacityWindowAttention(**WRONG_WRITE_BACKS[wrong]))
     free = rt.scheduler.allocator.num_free
     with torch.no_grad(), raises_paged(PassError, "it stores something else into the cache than the keys/values it "
                                                   "attends with"):
