@@ -28,6 +28,7 @@ from . import binding, layout
 from .capture import calls
 from .config import INNER_COMPILERS, KERNELS, Bucket
 from .errors import BindingError, ConfigError, RequestError
+from .ops import write_attend as write_attend_op
 from .passes.extra_inputs import extra_values
 from .passes.rewrite import PassResult, rewrite
 
@@ -123,12 +124,6 @@ def _runtime_of_inputs(example_inputs: list):
     return None
 
 
-#: calls of graphs this backend compiled with nothing to page (no rewritten site), and why the last one had none:
-#: the runtime names this cause when a forward ran no paged attention (`PagedKVRuntime._check_attention_ran`)
-UNPAGED_CALLS = 0
-UNPAGED_WHY = ""
-
-
 def _nothing_to_page(result: PassResult) -> str:
     """Why a compiled graph has no paged site, in the words of its pass report."""
     left = [r for r in result.reports if r.status != "rewritten"]
@@ -139,13 +134,13 @@ def _nothing_to_page(result: PassResult) -> str:
 
 
 def _unpaged_callable(compiled: Callable, result: PassResult) -> Callable:
-    """`compiled`, counting its calls (`UNPAGED_CALLS`) so that a forward that pages nothing names the cause."""
+    """`compiled`, counting its calls (`ops.write_attend.UNPAGED_CALLS`) so that a forward that pages nothing
+    names the cause."""
     why = _nothing_to_page(result)
 
     def unpaged_compiled_forward(*args):
-        global UNPAGED_CALLS, UNPAGED_WHY
-        UNPAGED_CALLS += 1
-        UNPAGED_WHY = why
+        write_attend_op.UNPAGED_CALLS += 1
+        write_attend_op.UNPAGED_WHY = why
         return compiled(*args)
 
     unpaged_compiled_forward.pass_result = result

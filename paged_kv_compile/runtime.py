@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import backend, binding, families
+from . import binding, families
 from .allocator import make_allocator
 from .config import Bucket, PagedKVConfig
 from .errors import RequestError
@@ -39,7 +39,7 @@ class ActiveForward:
     generation: int
     layers_seen: set[int] = field(default_factory=set)  # layers whose compiled site ran in this forward
     op_calls: int = 0  # the paged ops' call count when it began (`ops.write_attend.CALLS`)
-    unpaged_calls: int = 0  # calls of compiled graphs with nothing to page when it began (`backend.UNPAGED_CALLS`)
+    unpaged_calls: int = 0  # compiled graphs with nothing to page called so far (`ops.write_attend.UNPAGED_CALLS`)
     expect_attention: bool = True  # the body must run paged attention (`_check_attention_ran`)
 
 
@@ -161,7 +161,7 @@ class PagedKVRuntime:
             raise
         self.generation += 1
         self.active = ActiveForward(plan, bucket, meta, self.generation, op_calls=write_attend_op.CALLS,
-                                    unpaged_calls=backend.UNPAGED_CALLS,
+                                    unpaged_calls=write_attend_op.UNPAGED_CALLS,
                                     expect_attention=expect_attention)
         try:
             yield self.active
@@ -188,10 +188,10 @@ class PagedKVRuntime:
         head = f"no paged attention ran in this {active.plan.kind} forward of {active.plan.owner_id!r}: "
         tail = (" The forward was rolled back. A forward that deliberately runs no attention: "
                 "runtime.forward_plan(plan, expect_attention=False)")
-        if backend.UNPAGED_CALLS != active.unpaged_calls:
+        if write_attend_op.UNPAGED_CALLS != active.unpaged_calls:
             raise RequestError(
                 head + "its blocks ran compiled with backend='paged_kv', but the graphs they ran had nothing to page: "
-                f"{backend.UNPAGED_WHY}. So the forward neither read the session's history from the pool nor kept "
+                f"{write_attend_op.UNPAGED_WHY}. So the forward neither read the session's history from the pool nor kept "
                 "its K/V there. Hand the model cache stand-ins its attention reads (for a model whose first chunk "
                 "skips the cache, a stand-in cache that presents the steady state, so that every chunk's graph reads "
                 "history and the runtime supplies an empty one)." + tail
