@@ -9,6 +9,12 @@ full cache at the current chunk (`end = C`, `last_start = current_start`): every
 history is empty), is then this one graph per phase; what the cache holds (the sink frames and the most recent
 ones, C tokens with the chunk) is the session's window, the same rule as LingBot's (`_update_cache`'s new-chunk
 branch keeps `sink` tokens and the most recent `C - sink - chunk`).
+
+What the graph shows is "the cache's first C - chunk slots, then the chunk" (and, on a commit, the attended keys
+copied back into those slots in order: `writes.writes_back_attended`); which tokens the slots hold, and so the sink,
+is the driver's cursor, not the graph's. The runtime supplies its window, so the session's spec must carry the
+model's sink (`DreamZeroSpec.from_lingbot_world`; tests/upstream/lingbot_world.py refuses another before any
+forward: with another sink the numbers differ once the window slides).
 """
 
 from __future__ import annotations
