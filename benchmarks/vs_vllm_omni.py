@@ -609,16 +609,77 @@ CAPABILITIES = [
 # ---- main -------------------------------------------------------------------------------------------------------
 
 
+LB_BLOCKS = 5  # AR blocks of LingBot-World's DMD schedule (4 probes + 1 commit each): 25 transformer forwards
+
+
+def lingbot_rows(*, repeats: int, threads: int) -> list[dict]:
+    """LingBot-World (tiny `CausalLingBotWorldTransformer3DModel`, fp32) through its `LingBotDMDBlockRunner`, three
+    ways: its request-local dense cache (eager, the oracle), vllm-omni's own paged path (`ARDiffusionKVState` over
+    `ARDiffusionKVCache`, `paged_write_attn`, eager), ours (blocks compiled `backend="paged_kv"`, aot_eager inside,
+    the stand-in cursor of tests/upstream/lingbot_world.py). A fresh session per pass; the first pass compiles."""
+    omni, _, _, _ = _harness()
+    from helpers import CountingBackend
+    from upstream import lingbot_world as lb
+
+    geometry = lb.TinyLingBot()
+    inputs = lb.block_inputs(geometry, LB_BLOCKS)
+    rows, oracle = [], None
+    for column in COLUMNS:
+        with bench_settings(threads=threads), omni.model_context(), torch.no_grad():
+            _fresh_dynamo()
+            model = lb.build(geometry)
+            backend = rt = None
+            if column == "paged_kv":
+                rt = lb.paged_runtime(geometry, model)
+                backend = CountingBackend({"inner_compiler": "aot_eager", "strict": True})
+                for block in model.blocks:
+                    block.compile(backend=backend, fullgraph=True, dynamic=False)
+
+            def one_pass(session: str) -> list[torch.Tensor]:
+                if column == "dense":
+                    recorder = lb.Recorder(model)
+                    lb.rollout(recorder, lb.dense_cache(model, geometry, inputs["prompt_embeds"]), geometry, inputs)
+                elif column == "vllm-omni":
+                    recorder = lb.Recorder(model)
+                    lb.native_rollout(recorder, model, lb.native_state(model, geometry, session_id=session),
+                                      geometry, inputs)
+                else:
+                    rt.admit(session, geometry.spec(model), rows=1)
+                    recorder = lb.Recorder(model, runtime=rt, owner=session)
+                    with torch.compiler.config.patch(dynamic_sources=lb.DYNAMIC_SOURCES):
+                        lb.rollout(recorder, lb.standin_cache(rt, model, geometry, inputs["prompt_embeds"]),
+                                   geometry, inputs)
+                    rt.release(session)
+                return recorder.outputs
+
+            t0 = time.perf_counter()
+            outs = one_pass("first")
+            first_s = time.perf_counter() - t0
+            per_forward = []
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                again = one_pass(f"timed{r}")
+                per_forward.append(1e3 * (time.perf_counter() - t0) / len(again))
+        oracle = outs if oracle is None else oracle
+        rows.append({"column": column, "mode": "compiled (aot_eager)" if backend else "eager", "forwards": len(outs),
+                     "max_abs_err_vs_dense_eager": max((a - b).abs().max().item() for a, b in zip(outs, oracle)),
+                     "frames": backend.frames if backend else 0, "first_pass_s": round(first_s, 2),
+                     "ms_per_forward": _median(per_forward), "repeat_equals_first": all(
+                         torch.equal(a, b) for a, b in zip(again, outs))})
+    return rows
+
+
 def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1, dreamzero_only: bool = False) -> dict:
     dz = dreamzero_rows(compile_too=compile_too, repeats=repeats, threads=threads)
     batched = dreamzero_batched_sessions(repeats=repeats, threads=threads)
     windows = frames_by_window() if compile_too and not dreamzero_only else []
     hy, probe = ([], None) if dreamzero_only else hunyuan_rows(repeats=repeats, threads=threads)
+    lingbot = [] if dreamzero_only else lingbot_rows(repeats=repeats, threads=threads)
     return {
         "benchmark": "vs_vllm_omni", "machine": machine_info(threads=threads, repeats=repeats),
         "dreamzero": dz, "dreamzero_batched_sessions": batched, "dreamzero_frames_by_window": windows, "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
         "hunyuan": hy, "hunyuan_diffusion_kv_probe": probe, "hunyuan_memory_80b": hunyuan_memory(),
-        "capabilities": CAPABILITIES,
+        "capabilities": CAPABILITIES, "lingbot_world": lingbot,
     }
 
 
@@ -668,6 +729,11 @@ def print_report(result: dict) -> None:
         ("prompt", "prompt_tokens"), ("vllm-omni MiB/req", "vllm_omni_mib_per_request"),
         ("paged_kv MiB/req", "paged_kv_mib_per_request"), ("paged_kv scratch MiB", "paged_kv_fixed_scratch_mib"),
         ("reqs/40GiB vllm-omni", "requests_in_40_gib_vllm_omni"), ("reqs/40GiB paged_kv", "requests_in_40_gib_paged_kv")]))
+    print(f"\nLingBot-World through its DMD block runner (tiny, fp32, {LB_BLOCKS} AR blocks of 4 probes + 1 commit)")
+    print(format_table(result["lingbot_world"], [
+        ("column", "column"), ("mode", "mode"), ("max |x-dense|", "max_abs_err_vs_dense_eager"), ("frames", "frames"),
+        ("ms/forward", "ms_per_forward"), ("forwards", "forwards"), ("first pass s", "first_pass_s"),
+        ("repeat == first", "repeat_equals_first")]))
     print("\nCapabilities (checked in vllm-omni 0.30.0's code)")
     for c in result["capabilities"]:
         print(f"- {c['capability']}\n    vllm-omni: {c['vllm-omni']}\n    paged_kv:  {c['paged_kv']}")

@@ -28,6 +28,7 @@ from . import binding, layout
 from .capture import calls
 from .config import INNER_COMPILERS, KERNELS, Bucket
 from .errors import BindingError, ConfigError, RequestError
+from .ops import write_attend as write_attend_op
 from .passes.extra_inputs import extra_values
 from .passes.rewrite import PassResult, rewrite
 
@@ -123,13 +124,36 @@ def _runtime_of_inputs(example_inputs: list):
     return None
 
 
+def _nothing_to_page(result: PassResult) -> str:
+    """Why a compiled graph has no paged site, in the words of its pass report."""
+    left = [r for r in result.reports if r.status != "rewritten"]
+    if not left:
+        return ("no attention in them reads or writes a KV-cache stand-in (e.g. a first chunk whose cache is empty "
+                "attends over its new tokens only and writes no cache in this forward)")
+    return "their attention sites were not paged (" + "; ".join(f"{r.node}: {r.reason}" for r in left) + ")"
+
+
+def _unpaged_callable(compiled: Callable, result: PassResult) -> Callable:
+    """`compiled`, counting its calls (`ops.write_attend.UNPAGED_CALLS`) so that a forward that pages nothing
+    names the cause."""
+    why = _nothing_to_page(result)
+
+    def unpaged_compiled_forward(*args):
+        write_attend_op.UNPAGED_CALLS += 1
+        write_attend_op.UNPAGED_WHY = why
+        return compiled(*args)
+
+    unpaged_compiled_forward.pass_result = result
+    return unpaged_compiled_forward
+
+
 def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_: Any) -> Callable:
     """torch.compile backend: rewrite KV-cache attention into the paged op, then compile."""
     runtime = _runtime_of_inputs(example_inputs)
     opts = _resolve_options(options, runtime)
     if not any(binding.is_standin(v) for v in example_inputs):
-        _record(rewrite(gm, example_inputs, is_standin=binding.is_standin))
-        return inner_compile(opts["inner_compiler"], gm, example_inputs)
+        result = _record(rewrite(gm, example_inputs, is_standin=binding.is_standin))
+        return _unpaged_callable(inner_compile(opts["inner_compiler"], gm, example_inputs), result)
 
     from .debug import maybe_dump
 
@@ -141,7 +165,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     _record(result)
     maybe_dump(opts["dump_dir"], before, result)
     if not result.changed:
-        return inner_compile(opts["inner_compiler"], new_gm, example_inputs)
+        return _unpaged_callable(inner_compile(opts["inner_compiler"], new_gm, example_inputs), result)
     if runtime is None:
         raise BindingError(
             "this graph reads KV-cache stand-ins but no live runtime has bound its weights: call runtime.bind(layers) "

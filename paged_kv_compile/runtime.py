@@ -39,6 +39,7 @@ class ActiveForward:
     generation: int
     layers_seen: set[int] = field(default_factory=set)  # layers whose compiled site ran in this forward
     op_calls: int = 0  # the paged ops' call count when it began (`ops.write_attend.CALLS`)
+    unpaged_calls: int = 0  # compiled graphs with nothing to page called so far (`ops.write_attend.UNPAGED_CALLS`)
     expect_attention: bool = True  # the body must run paged attention (`_check_attention_ran`)
 
 
@@ -160,6 +161,7 @@ class PagedKVRuntime:
             raise
         self.generation += 1
         self.active = ActiveForward(plan, bucket, meta, self.generation, op_calls=write_attend_op.CALLS,
+                                    unpaged_calls=write_attend_op.UNPAGED_CALLS,
                                     expect_attention=expect_attention)
         try:
             yield self.active
@@ -175,19 +177,29 @@ class PagedKVRuntime:
 
     def _check_attention_ran(self, active: ActiveForward) -> None:
         """A forward of a bound runtime whose body ran no paged attention at all (no compiled site, no call of the
-        op) read the cache stand-ins, which hold no data, in plain PyTorch: its output is wrong. That happens when
-        the model's blocks were not compiled with backend="paged_kv", or when dynamo ran them eagerly past its
-        recompile limit. (A runtime no model was bound to is driven by hand: its forwards are not checked.)"""
+        op) did not use the pool: either its blocks read the cache stand-ins (which hold no data) in plain PyTorch,
+        or they ran compiled by backend="paged_kv" with nothing to page (no site read or wrote a stand-in), so the
+        forward neither read its history nor kept its K/V. The message names which of the two happened. (A runtime
+        no model was bound to is driven by hand: its forwards are not checked.)"""
         if not (self.bound and active.expect_attention and active.plan.rows) or active.layers_seen:
             return
         if write_attend_op.CALLS != active.op_calls:
             return
+        head = f"no paged attention ran in this {active.plan.kind} forward of {active.plan.owner_id!r}: "
+        tail = (" The forward was rolled back. A forward that deliberately runs no attention: "
+                "runtime.forward_plan(plan, expect_attention=False)")
+        if write_attend_op.UNPAGED_CALLS != active.unpaged_calls:
+            raise RequestError(
+                head + "its blocks ran compiled with backend='paged_kv', but the graphs they ran had nothing to page: "
+                f"{write_attend_op.UNPAGED_WHY}. So the forward neither read the session's history from the pool nor kept "
+                "its K/V there. Hand the model cache stand-ins its attention reads (for a model whose first chunk "
+                "skips the cache, a stand-in cache that presents the steady state, so that every chunk's graph reads "
+                "history and the runtime supplies an empty one)." + tail
+            )
         raise RequestError(
-            f"no paged attention ran in this {active.plan.kind} forward of {active.plan.owner_id!r}: the model read its "
-            "cache stand-ins (which hold no data) outside a compiled graph, so its output is wrong. Compile its blocks "
-            "with backend='paged_kv' (fullgraph=True, dynamic=False) and keep torch._dynamo.config.recompile_limit "
-            "above the bucket count (past it dynamo runs a block eagerly). The forward was rolled back. A forward that "
-            "deliberately runs no attention: runtime.forward_plan(plan, expect_attention=False)"
+            head + "the model read its cache stand-ins (which hold no data) outside a compiled graph, so its output "
+            "is wrong. Compile its blocks with backend='paged_kv' (fullgraph=True, dynamic=False) and keep "
+            "torch._dynamo.config.recompile_limit above the bucket count (past it dynamo runs a block eagerly)." + tail
         )
 
     def _check_all_layers_wrote(self, active: ActiveForward) -> None:

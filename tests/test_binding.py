@@ -135,6 +135,44 @@ def test_a_stale_binding_does_not_block_new_weights_at_its_address():
     assert resolve(new.blocks[0].self_attn.qkv.weight) == (second, 0)
 
 
+class _NewTokensOnlyAttention(torch.nn.Module):
+    """Attention over its new tokens only: what a first chunk with an empty cache (LingBot-World's) compiles to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, x.shape[1], 3, 2, 16).unbind(2)
+        return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+
+def test_a_forward_whose_compiled_blocks_had_nothing_to_page_names_that_cause():
+    """Blocks compiled with backend='paged_kv' whose graphs read and write no cache stand-in page nothing: the
+    runtime refuses the forward naming that cause (and the pass report's words), not stand-ins read outside a
+    compiled graph; the forward is rolled back (no block held)."""
+    module = _NewTokensOnlyAttention()
+    rt = PagedKVRuntime(dreamzero_runtime_config(DreamZeroConfig(num_layers=1), block_size=8, kernel="reference"))
+    rt.bind([module])
+    rt.admit("s", DreamZeroSpec.from_model_config(CFG), rows=1)
+    free = rt.scheduler.allocator.num_free
+    compiled = torch.compile(module, backend=CountingBackend({"inner_compiler": "aot_eager"}), fullgraph=True,
+                             dynamic=False)
+    x = torch.randn(1, DreamZeroSpec.from_model_config(CFG).chunk_tokens, 32)
+    with torch.no_grad():
+        for kind in ("denoise", "commit"):
+            with pytest.raises(RequestError) as err:
+                with rt.forward("s", kind):
+                    compiled(x)
+            message = str(err.value)
+            assert f"no paged attention ran in this {kind} forward of 's': its blocks ran compiled with " \
+                   "backend='paged_kv', but the graphs they ran had nothing to page: their attention sites were not " \
+                   "paged (scaled_dot_product_attention: no cache stand-in among the inputs)" in message, message
+            assert "outside a compiled graph" not in message, message
+            assert rt.scheduler.allocator.num_free == free
+
+
 def test_a_bound_model_run_uncompiled_is_refused_not_silently_wrong():
     """A bound model whose blocks were not compiled reads its zero stand-ins in plain PyTorch and gives wrong
     numbers: the runtime refuses every such forward (no compiled site and no call of the paged op ran), rolls it

@@ -22,7 +22,7 @@ from ..errors import CapacityError, ConfigError, RequestError
 from ..layout import RowLayout
 from ..models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel, dreamzero_steps
 from ..models.hooks import Forward
-from ..passes.idioms import ROLLING_CACHE, WINDOW, RollingExpect, WindowExpect
+from ..passes.idioms import CAPACITY_WINDOW, ROLLING_CACHE, WINDOW, CapacityWindowExpect, RollingExpect, WindowExpect
 from .base import (BlockSource, Demo, DemoForks, DemoLane, Family, ForwardPlan, Owner, ceil_div, pool_config,
                    reuse_layouts)
 
@@ -85,6 +85,18 @@ class DreamZeroSpec:
             first_commit_frames=1,
             commit_action_tokens=0,
         )
+
+    @classmethod
+    def from_lingbot_world(cls, model, latent_height: int, latent_width: int) -> "DreamZeroSpec":
+        """From vllm-omni's `CausalLingBotWorldTransformer3DModel` (duck-typed) at a latent size: its cache capacity
+        (`local_attn_size`, else `sliding_window_num_frames`, the sink and the current block included), its sink and
+        its block. The capacity-window graph shows the capacity, not the sink: this config is where the sink is
+        read from (`passes/idioms/lingbot.py`)."""
+        cfg = model.config
+        _, patch_h, patch_w = cfg.patch_size
+        window = cfg.local_attn_size if cfg.local_attn_size != -1 else cfg.sliding_window_num_frames
+        return cls(frame_seqlen=(latent_height // patch_h) * (latent_width // patch_w),
+                   chunk_frames=cfg.num_frames_per_block, window_frames=window, sink_frames=cfg.sink_size)
 
     @property
     def chunk_tokens(self) -> int:
@@ -190,7 +202,7 @@ class DreamZeroFamily(Family):
     noun = "session"
     spec_type = DreamZeroSpec
     evict_lru = True
-    idioms = (WINDOW, ROLLING_CACHE)
+    idioms = (WINDOW, ROLLING_CACHE, CAPACITY_WINDOW)
 
     # ---- admission and forwards -------------------------------------------------------------
     def rows(self, spec: DreamZeroSpec, requested: int | None) -> int:
@@ -339,13 +351,23 @@ class DreamZeroFamily(Family):
     def history_dropped(self, owner: Owner) -> None:
         owner.state.pop("commits", None)
 
-    def check_expectation(self, expect: WindowExpect | RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
+    def check_expectation(self, expect: WindowExpect | RollingExpect | CapacityWindowExpect, owner: Owner,
+                          plan: ForwardPlan) -> None:
         spec: DreamZeroSpec = owner.spec
         have = {"window_tokens": spec.window_tokens, "sink_tokens": spec.sink_tokens, **plan.phase}
         if isinstance(expect, RollingExpect):
             if expect.sink_tokens is None:
                 del have["sink_tokens"]
             _check_rolling_history(expect, owner, plan)
+        if isinstance(expect, CapacityWindowExpect):
+            del have["sink_tokens"]  # the graph shows a full cache, not its sink: the session's spec holds it
+            if expect.keeps != plan.keeps_kv:
+                raise RequestError(
+                    f"this compiled capacity-window graph {'keeps' if expect.keeps else 'discards'} its K/V (the model "
+                    f"{'writes' if expect.keeps else 'does not write'} its cache back) but this is a {plan.kind} forward "
+                    f"of {owner.owner_id!r}, which {'keeps' if plan.keeps_kv else 'discards'} it: run a forward that "
+                    "updates the model's cache as a commit and one that does not as a denoising step"
+                )
         diff = {k: (getattr(expect, k), v) for k, v in have.items() if getattr(expect, k) != v}
         if diff:
             raise RequestError(

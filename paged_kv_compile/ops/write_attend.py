@@ -253,6 +253,10 @@ def resolve_kernel(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visi
 #: real calls of the paged ops so far (both ops, any kernel): the runtime refuses a forward in which none ran
 #: (`PagedKVRuntime._check_attention_ran`: the model then read its cache stand-ins uncompiled)
 CALLS = 0
+#: calls of graphs the backend compiled with nothing to page (no rewritten site), and why the last one had none: the
+#: runtime names that cause when a forward ran no paged attention (`backend._unpaged_callable`)
+UNPAGED_CALLS = 0
+UNPAGED_WHY = ""
 
 
 def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,

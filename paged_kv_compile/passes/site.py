@@ -27,6 +27,7 @@ from .writes import (
     store_problem,
     store_weight,
     stores_read_back,
+    writes_back_attended,
 )
 
 _INPUTS = ("query", "key", "value")
@@ -91,6 +92,9 @@ class CacheWrites:
     read_back: bool = False
     #: with `read_back`: the cache slots the keys read, in the cache as it is AFTER this graph's writes
     read_slots: list[int] = field(default_factory=list)
+    #: every store copies the attended keys/values back whole into the cache they were read from, after the
+    #: attention's inputs were copied out of it (`writes.writes_back_attended`): the forward keeps its K/V
+    written_back: bool = False
 
 
 @dataclass
@@ -299,7 +303,11 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
         return got
     keys, new = got
     new_leaves = {span.read.node for span in new.key + new.value}
-    why = next((w for w in (store_problem(s, new_leaves, set(reads.written), standins) for s in mine) if w), "")
+    attended = {name: args[name] for name in ("key", "value")}
+    values = {name: reads.provs[name].values for name in ("key", "value")}
+    back = [s for s in mine if s not in reads.written and writes_back_attended(s, attended, values)]
+    why = next((w for w in (store_problem(s, new_leaves, set(reads.written), standins) for s in mine if s not in back)
+                if w), "")
     if why:
         return why
     joining = _joining(reads.provs, len(keys.history), standins)
@@ -309,4 +317,6 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
     cache = _cache_read(reads.provs, standins)
     if isinstance(cache, str):
         return cache
-    return Site(node, args, new, keys, cache, _cache_writes(mine, reads))
+    writes = _cache_writes(mine, reads)
+    writes.written_back = bool(mine) and len(back) == len(mine)
+    return Site(node, args, new, keys, cache, writes)

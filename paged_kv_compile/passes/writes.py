@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from .graph import example, find_parameter, node_order
 from .provenance import Provenance
-from .tags import leaf_index, movement_leaves, offset
+from .tags import evaluate, leaf_index, movement_leaves, offset
 
 STORE_METHODS = {"copy_", "__setitem__", "index_put_", "index_copy_", "fill_", "zero_", "masked_fill_"}
 _STORE_FUNCTIONS = {"setitem", "copy_", "index_put_"}
@@ -51,6 +51,31 @@ def store_weight(store: fx.Node, params: set[fx.Node]) -> fx.Node | None:
     return find_parameter(sources, params) if sources else None
 
 
+#: movement that materializes its result (a new tensor): reading from it after a store does not see the store
+_MATERIALIZING = {"cat", "concat", "concatenate", "stack", "clone"}
+
+
+def _materializes(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in _MATERIALIZING
+
+
+def _reads_after(store: fx.Node, chain: fx.Node, standins: set[fx.Node], order: dict) -> bool:
+    """Whether the movement chain ending at `chain` reads stand-in memory after `store` ran: a node of it later in
+    the graph than the store takes a stand-in or a view of one (anything but a materializing copy of it) as input.
+    A chain that copied the cache out before the store (LingBot-World's ``cat`` before its ``copy_`` write-back)
+    attends over the cache as it was, not as written."""
+    leaves, moves = movement_leaves(chain)
+    aliases = {leaf for leaf in leaves if leaf in standins}
+    for n in sorted(moves, key=order.__getitem__):
+        inputs = set(n.all_input_nodes)
+        if order[n] > order[store] and inputs & aliases:
+            return True
+        if not _materializes(n) and inputs & aliases:
+            aliases.add(n)
+    return False
+
+
 def stores_read_back(node: fx.Node, args: dict, standins: set[fx.Node], stores: list[fx.Node]) -> list[fx.Node]:
     """Stores (in graph order) into a stand-in that the site `node`'s keys/values read back after the write."""
     order = node_order(node.graph)
@@ -59,7 +84,47 @@ def stores_read_back(node: fx.Node, args: dict, standins: set[fx.Node], stores: 
         leaves, _ = movement_leaves(args[name])
         read |= {leaf for leaf in leaves if leaf in standins}
     before = [s for s in stores if order[s] < order[node]]
-    return [s for s in before if set(movement_leaves(s.args[0])[0]) & read]
+    return [s for s in before if set(movement_leaves(s.args[0])[0]) & read
+            and any(_reads_after(s, args[name], standins, order) for name in ("key", "value"))]
+
+
+def writes_back_attended(store: fx.Node, attended: dict, prov_values: dict) -> bool:
+    """Whether `store` writes exactly the keys (or values) the attention reads, all of them, into the cache it
+    read them from: the model's cache then holds the attended history plus the new tokens, which is what a
+    committing forward of the paged op keeps (LingBot-World's ``cache.key[:, :end].copy_(cat(history, new))``).
+
+    `attended`: "key"/"value" -> the SDPA input; `prov_values`: "key"/"value" -> the tags of that input's chain.
+    Compared on tags: the written value must be a movement ancestor of the attended input holding the same
+    elements (the attended input is a rearrangement of it)."""
+    value = store.args[STORE_VALUE_ARG["copy_"]] if store_name(store) == "copy_" and len(store.args) > 1 else None
+    if not isinstance(value, fx.Node) or not set(movement_leaves(store.args[0])[0]) & set(movement_leaves(value)[0]):
+        return False  # not a copy, or into another tensor than the cache the value reads
+    if not _writes_a_prefix(store.args[0], example(value)):
+        return False
+    for name, node in attended.items():
+        tags = prov_values[name]
+        if value not in tags or not isinstance(tags.get(node), torch.Tensor):
+            continue
+        got, want = tags[value].flatten(), tags[node].flatten()
+        if got.numel() == want.numel() and torch.equal(got.sort().values, want.sort().values):
+            return True
+    return False
+
+
+def _writes_a_prefix(dest: fx.Node, value: torch.Tensor | None) -> bool:
+    """Whether `dest` is the first `value.shape[1]` slots (axis 1) of one (B, L, H, D) cache, in order: what the
+    cache's next forward reads as its history then starts from slot 0 (read on tags)."""
+    leaves, moves = movement_leaves(dest)
+    ex = example(leaves[0]) if len(leaves) == 1 else None
+    if value is None or ex is None or ex.dim() != 4 or value.dim() != 4:
+        return False
+    values = evaluate(dest, leaves, moves)
+    tags = values.get(dest) if values is not None else None
+    if not isinstance(tags, torch.Tensor) or tuple(tags.shape) != tuple(value.shape):
+        return False
+    B, L, H, D = ex.shape
+    want = torch.arange(B * L * H * D).view(B, L, H, D)[:, : value.shape[1]]
+    return torch.equal(offset(tags), want)
 
 
 def store_problem(store: fx.Node, new_leaves: set[fx.Node], followed: set[fx.Node] = frozenset(),
