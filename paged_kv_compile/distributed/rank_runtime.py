@@ -10,16 +10,19 @@ a rank can fail inside its forward. Broadcasting one rank's decisions would ship
 a rank with other rows, and would not see the other ranks' failures at all. So each rank decides locally and
 the ranks vote (agreement.py, one small all-reduce):
 
-  * a lifecycle call (admit, reset, release, abort, fork) is applied locally -- the runtime validates before it
-    mutates, so a refusal changes nothing -- then voted on; if any rank refused, the ranks that applied it
-    restore the scheduler state they saved just before, so every rank ends exactly where it started and raises;
+  * a lifecycle call (admit, reset, release, abort, fork, set_scales) is applied locally -- the runtime validates
+    before it mutates, so a refusal changes nothing -- then voted on; if any rank refused or faulted, every rank
+    restores, in place, what it saved just before (snapshot.py: nothing keeps a reference to replaced state), so
+    every rank ends exactly where it started and raises;
   * a forward is planned and its metadata built (every refusal a forward can meet before compute), then voted
     on BEFORE the model runs: a rank never enters the model's own collectives (TP all-reduces) alone; after the
-    body (and the runtime's own "every layer ran" check) a second vote decides commit or roll back on every rank,
-    so a fault on one rank rolls back all of them;
-  * every vote carries a digest of the decision state (owners, versions, phases: equal on every rank) and, on
-    lifecycle calls and every `digest_every`-th forward, of the block tables (equal within the TP x Ulysses ranks
-    of one CFG rank): a rank that diverged raises DivergenceError on every rank before anything is computed.
+    body, every check that can refuse the forward (`PagedKVRuntime.verify_forward`) runs, then a second vote
+    decides commit or roll back on every rank, so a fault or refusal on one rank rolls back all of them;
+  * every vote carries a digest of the decision state (owners, versions, phases: equal on every rank) and one of
+    what each rank is about to compute (equal within the TP x Ulysses ranks of one CFG rank): the call's arguments
+    by value (`canonical`), a forward's bucket and plan geometry (`plan_geometry`) and, on lifecycle calls and every
+    `digest_every`-th forward, the block tables: a rank that diverged raises DivergenceError on every rank before
+    anything is computed.
 
 A fault BETWEEN the model's own collectives on one TP rank (say, an exception in layer 0's attention on rank 1
 only) leaves the other ranks waiting in the model's all-reduce, not in ours: that is the engine's collective, and
