@@ -145,3 +145,28 @@ def _random_calls(alloc, rng: random.Random, n: int) -> None:
             alloc.free(picks + [b for b in picks[:1] if alloc.refcount(b) > 1])
         else:
             alloc.share(rng.choices(live, k=rng.randint(1, 3)))
+
+
+def test_multirank_a_region_write_that_faults_after_an_eviction_restores_the_evicted_session(world, monkeypatch):
+    """An admission with shared regions evicts the least recently used session, then its region write faults part-way
+    (on this rank only): the evicted session must be live again with its K/V, as on the ranks that restore."""
+    runtime = PagedKVRuntime(dreamzero_runtime_config(CFG, sessions=1, cross_regions=2, dtype=torch.float32),
+                             max_sessions=1)
+    ranks = RankRuntime(runtime, ParallelConfig(), group=world)
+    spec = DreamZeroSpec.from_model_config(CFG)
+    ranks.admit("old", spec, cross_kv=_cross(1), cache_salt="tenant-a")
+    blocks = sorted({b for r in runtime.regions_of("old") for b in r.blocks})
+    index = torch.tensor([base + b for base in runtime.pool.layer_bases.tolist() for b in blocks])
+    kv, before = runtime.pool.tensor[:, index].clone(), runtime.state()
+    write = runtime.pool.write_region
+
+    def faulty_write(region_blocks, stored):
+        write(region_blocks, stored)  # the bytes land (in the blocks the eviction freed), then the fault
+        raise RuntimeError("injected: the device failed after the region write")
+
+    monkeypatch.setattr(runtime.pool, "write_region", faulty_write)
+    _refuse_second_vote(ranks, monkeypatch)
+    with pytest.raises(RuntimeError, match="injected"):
+        ranks.admit("new", spec, cross_kv=_cross(2), cache_salt="tenant-b")
+    assert runtime.state() == before, "the evicted session stayed evicted"
+    assert torch.equal(runtime.pool.tensor[:, index], kv), "the evicted session's region blocks were overwritten"
