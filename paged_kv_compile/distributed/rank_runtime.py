@@ -197,6 +197,11 @@ class RankRuntime:
                 apply()
         except Exception as e:  # noqa: BLE001 - voted on, then re-raised
             ballot.error = e
+        except BaseException:  # an interrupt: no vote follows; leave this rank as it was, the undo log closed
+            if saved is not None:
+                saved.restore()
+            self.calls += 1
+            raise
         try:
             self.agreement.vote(ballot)
         except BaseException:
