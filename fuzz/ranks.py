@@ -21,7 +21,7 @@ After every operation, on every rank:
   * the ranks agree: their states are equal (TP, Ulysses: block ids too) or, under CFG, agree on everything but
     the rows' block ids; and agree with the one-rank runtime's owners and versions.
 
-    python -m fuzz.ranks --steps 300 --seeds 3 [--layout all|tp|cfg|ulysses] [--mutant 1|2|3]
+    python -m fuzz.ranks --steps 300 --seeds 3 [--layout all|tp|cfg|ulysses] [--pool fp32|fp8|both] [--mutant 1|2|3]
 
 `--mutant N` puts back issue 30's defect N (one mutation each) and the run must then FAIL (a caught mutant).
 """
@@ -132,10 +132,11 @@ def mutant(defect: int | None) -> Iterator[None]:
 class RankWorld:
     """This rank's RankRuntime and the one-rank runtime beside it, the live owners, and the checks."""
 
-    def __init__(self, layout: str, seed: int, small_pool: bool) -> None:
+    def __init__(self, layout: str, seed: int, small_pool: bool, fp8: bool = False) -> None:
         self.layout, self.rank = layout, dist.get_rank()
         group, self.parallel = _group_and_parallel(layout)
-        one = dreamzero_runtime_config(CFG, sessions=3, dtype=torch.float32, max_rows=4)  # batches of 2 owners
+        one = dreamzero_runtime_config(CFG, sessions=3, dtype=torch.float32, max_rows=4,  # batches of 2 owners
+                                       kv_dtype=torch.float8_e4m3fn if fp8 else None)
         cfg = self.parallel.rank_config(one)
         if small_pool and layout == "cfg" and self.rank == 1:  # less free memory on that GPU: room for 2 sessions
             cfg = dataclasses.replace(cfg, blocks_per_layer=cfg.blocks_per_layer * 2 // 3)
@@ -171,7 +172,7 @@ class RankWorld:
             site = meta.layers[layer]
             outs.append(write_attend(q.contiguous(), k.contiguous(), v.contiguous(), runtime.pool.tensor,
                                      site.slot_mapping, site.block_table, meta.seq_lens, meta.kv_visible_end,
-                                     CFG.head_dim ** -0.5, "reference", "general"))
+                                     CFG.head_dim ** -0.5, "reference", "general", runtime.pool.scales))
             if fault and layer == 0:
                 raise InjectedFault(f"injected on rank {self.rank} after layer 0")
         if attend:
@@ -219,8 +220,9 @@ class RankWorld:
                 getattr(self.rt, what)(owner)
                 live_now = None
             elif what == "set_scales":
-                expect_ok = self._one(lambda: self.one.pool.set_scales(0.5, 0.5))
-                self.rt.set_scales(0.5, 0.5)
+                scale = self.rng.choice((0.5, 0.25, 1.0))
+                expect_ok = self._one(lambda: self.one.pool.set_scales(scale, scale))
+                self.rt.set_scales(scale, scale)
                 live_now = None
             else:
                 live_now = None
@@ -303,10 +305,12 @@ def _agree(a: dict, b: dict, layout: str) -> bool:
     return all(a["state"][k] == b["state"][k] for k in keys) and a["state"]["owners"].keys() == b["state"]["owners"].keys()
 
 
-def rank_task(layout: str, seed: int, steps: int, defect: int | None = None, small_pool: bool = True) -> dict:
-    """Run one seeded sequence on this rank (every rank of the group calls it); the figures, or the first wrong."""
+def rank_task(layout: str, seed: int, steps: int, defect: int | None = None, small_pool: bool = True,
+              fp8: bool = False) -> dict:
+    """Run one seeded sequence on this rank (every rank of the group calls it); the figures, or the first wrong.
+    fp8: FP8 pools (set_scales is accepted while nothing is held, and the outputs read the scales)."""
     with mutant(defect):
-        world = RankWorld(layout, seed, small_pool)
+        world = RankWorld(layout, seed, small_pool, fp8)
         figures: Counter = Counter()
         for op in range(steps):
             drawn = world.draw()
@@ -321,6 +325,7 @@ def rank_task(layout: str, seed: int, steps: int, defect: int | None = None, sma
                         "figures": dict(figures), "rank": world.rank}
             figures["operations"] += 1
             figures["forwards_compared"] += result["compared"]
+            figures["set_scales_accepted"] += mine["ok"] and result["what"] == "set_scales"
             if not mine["ok"]:
                 name = result["outcome"].split(":")[0]
                 figures["refused_" + ("divergent" if name == "DivergenceError" else
@@ -379,9 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", default="all", choices=("all", *LAYOUTS))
     parser.add_argument("--mutant", type=int, default=None, choices=sorted(MUTANTS))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--pool", default="fp32", choices=("fp32", "fp8", "both"))
     args = parser.parse_args(argv)
     layouts = LAYOUTS if args.layout == "all" else (args.layout,)
-    jobs = [(layout, args.seed + s, args.steps, args.mutant) for layout in layouts for s in range(args.seeds)]
+    pools = {"fp32": (False,), "fp8": (True,), "both": (False, True)}[args.pool]
+    jobs = [(layout, args.seed + s, args.steps, args.mutant, True, fp8) for fp8 in pools for layout in layouts
+            for s in range(args.seeds)]
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
