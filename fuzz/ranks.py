@@ -136,7 +136,7 @@ class RankWorld:
         self.layout, self.rank = layout, dist.get_rank()
         group, self.parallel = _group_and_parallel(layout)
         one = dreamzero_runtime_config(CFG, sessions=3, dtype=torch.float32, max_rows=4,  # batches of 2 owners
-                                       kv_dtype=torch.float8_e4m3fn if fp8 else None)
+                                       kv_dtype=torch.float8_e4m3fn if fp8 else None, cross_regions=4)
         cfg = self.parallel.rank_config(one)
         if small_pool and layout == "cfg" and self.rank == 1:  # less free memory on that GPU: room for 2 sessions
             cfg = dataclasses.replace(cfg, blocks_per_layer=cfg.blocks_per_layer * 2 // 3)
@@ -203,10 +203,11 @@ class RankWorld:
                 spec = OTHER_SPEC if what == "diverge_spec" and self.rank == 1 else SPEC
                 rows = 5 if what == "bad_argument" and self.rank == 1 else self._rows()
                 expect_ok = what == "admit"
+                regions = self._regions() if self.rng.random() < 0.5 else None  # shared cross-attention K/V
                 if expect_ok:
-                    expect_ok = self._one(lambda: self.one.admit(oid, SPEC, rows=2))
+                    expect_ok = self._one(lambda: self.one.admit(oid, SPEC, rows=2, **self._full(regions)))
                 pending = oid
-                self.rt.admit(oid, spec, rows=rows)
+                self.rt.admit(oid, spec, rows=rows, **self._mine(regions, rows))
                 live_now = oid
             elif what == "fork":
                 oid = f"o{self.next_id}"
@@ -243,6 +244,31 @@ class RankWorld:
         self.counts[what] += 1
         return {"what": what, "outcome": outcome, "expect_ok": expect_ok, "before": before,
                 "after": self._snapshot(), "compared": compared}
+
+    def _regions(self) -> tuple[int, str]:
+        """(content, salt) of an admission's regions: 3 contents, 2 tenants, so regions are shared and not."""
+        return self.rng.randrange(3), self.rng.choice(("tenant-a", "tenant-b"))
+
+    def _cross(self, content: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 7919 + content)
+        shape = (2, 2, CFG.cross_len, CFG.num_heads, CFG.head_dim)
+        return [torch.randn(shape, generator=g) for _ in range(CFG.num_layers)]
+
+    def _full(self, regions) -> dict:
+        return {} if regions is None else {"cross_kv": self._cross(regions[0]), "cache_salt": regions[1]}
+
+    def _mine(self, regions, rows: int) -> dict:
+        """This rank's slice of the regions' K/V: its heads (TP, Ulysses) or its row (CFG)."""
+        if regions is None:
+            return {}
+        cross = self._cross(regions[0])
+        if self.layout == "cfg":
+            cross = [t[:, self.rank:self.rank + 1] for t in cross]
+        else:
+            cross = [t[..., self.heads, :] for t in cross]
+        if rows != cross[0].shape[1]:  # a bad `rows`: the K/V keeps the right shape, the runtime refuses the rows
+            cross = [t[:, :1].expand(-1, rows, -1, -1, -1) for t in cross]
+        return {"cross_kv": cross, "cache_salt": regions[1]}
 
     def _rows(self) -> int:
         return 1 if self.layout == "cfg" else 2
@@ -286,21 +312,47 @@ class RankWorld:
         return 1
 
     # ---- what the checks compare ------------------------------------------------------------------------------
+    def _regions_match(self) -> bool:
+        """Every live owner's regions hold, on this rank, its slice of what the one-rank runtime's hold."""
+        pool, one = self.rt.runtime.pool, self.one.pool
+        for oid in self.rt.owner_ids():
+            if oid not in self.one.owner_ids():
+                return False
+            mine, full = self.rt.runtime.regions_of(oid), self.one.regions_of(oid)
+            rows = [self.rank] if self.layout == "cfg" else list(range(len(full)))
+            if len(mine) != (len(rows) if full else 0):
+                return False
+            for region, r in zip(mine, rows):
+                want = one.read_region(full[r].blocks, full[r].tokens)
+                want = want if self.layout == "cfg" else want[..., self.heads, :]
+                if not torch.equal(pool.read_region(region.blocks, region.tokens), want):
+                    return False
+        return True
+
     def _snapshot(self) -> dict:
         inner = self.rt.runtime
         state = inner.state()
-        held = sorted({b for rows in state["owners"].values() for row in rows for b in row})
+        held = sorted({b for rows in state["owners"].values() for row in rows for b in row}
+                      | {b for regs in state["regions"]["held"].values() for _, blocks in regs for b in blocks})
         index = torch.tensor([base + b for base in inner.pool.layer_bases.tolist() for b in held], dtype=torch.long)
         alloc = inner.scheduler.allocator
-        return {"state": state, "bytes": inner.pool.tensor[:, index].clone(),
+        return {"state": state, "bytes": inner.pool.tensor[:, index].clone(), "regions_match": self._regions_match(),
                 "scales": None if inner.pool.scales is None else inner.pool.scales.clone(),
                 "guard": inner.pool.blocks_held() == alloc.num_blocks - alloc.num_free,
                 "one": {"owners": sorted(self.one.owner_ids()), "versions": self.one.state()["versions"]}}
 
 
+
+def _keyless(state: dict) -> dict:
+    """`state()` without the regions' registry keys: a rank keys a region by the bytes IT stores (its heads under TP)."""
+    regions = state["regions"]
+    return {**state, "regions": ({o: [b for _, b in regs] for o, regs in regions["held"].items()},
+                                 sorted((b, n) for _, b, n in regions["registry"]))}
+
+
 def _agree(a: dict, b: dict, layout: str) -> bool:
     if layout != "cfg":
-        return a["state"] == b["state"]
+        return _keyless(a["state"]) == _keyless(b["state"])
     keys = ("finished", "versions", "in_flight", "active")
     return all(a["state"][k] == b["state"][k] for k in keys) and a["state"]["owners"].keys() == b["state"]["owners"].keys()
 
@@ -340,6 +392,8 @@ def _wrong(world: RankWorld, op: int, drawn: tuple, result: dict, stories: list)
         return f"op {op} {what}: some ranks succeeded, others raised: {[s['outcome'][:200] for s in stories]}"
     if "AssertionError" in result["outcome"]:
         return result["outcome"][:400]
+    if not after["regions_match"]:
+        return f"op {op} {what}: a live owner's shared regions differ from the one-rank runtime's (its slice)"
     if not after["guard"]:
         return f"op {op} {what}: the FP8 scale guard reads other state than the live allocator"
     ok = result["outcome"] == "ok"

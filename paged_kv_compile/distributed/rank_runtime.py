@@ -166,7 +166,9 @@ class RankRuntime:
         tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget]
                              + [b for row in o.rows for b in (len(row), *row)], dtype=np.int64).tobytes()
                   for o in sched.owners.values()]
-        regions = sched.regions.snapshot()["held"] if sched.regions.held else {}
+        # regions by blocks and holders, not by registry key: a rank keys a region by the bytes IT stores, and a TP
+        # rank stores its own heads (keys differ between TP ranks that hold the same blocks)
+        regions = {oid: [(tuple(r.blocks), r.tokens, r.holders) for r in regs] for oid, regs in sched.regions.held.items()}
         return digest(sched.allocator.num_free, b"".join(tables), regions)
 
     def _ballot(self, call: tuple, args: Any) -> Ballot:

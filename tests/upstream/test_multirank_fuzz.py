@@ -11,12 +11,13 @@ from fuzz import ranks as fuzz_ranks
 STEPS = 40
 TIMEOUT_S = 900.0  # bounds a hung call only: a loaded machine must never reach it
 LAYOUTS = {"tp": {"tensor_parallel_size": 2}, "cfg": {"cfg_parallel_size": 2}, "ulysses": {"ulysses_degree": 2}}
+FP8 = {"cfg"}  # one layout on FP8 pools: set_scales accepted while nothing is held, outputs read the scales
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_multirank_fuzz_short_run_finds_nothing_wrong(omni, ranks, layout):
     ranks.setup(**LAYOUTS[layout])
-    outs = ranks.run(fuzz_ranks.rank_task, layout, 0, STEPS, timeout=TIMEOUT_S)
+    outs = ranks.run(fuzz_ranks.rank_task, layout, 0, STEPS, None, True, layout in FP8, timeout=TIMEOUT_S)
     for out in outs:
         assert out["wrong"] is None, out
         figures = out["figures"]

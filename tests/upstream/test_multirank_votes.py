@@ -132,6 +132,21 @@ def attention_check_before_vote_task() -> dict:
     return out
 
 
+def tensor_parallel_regions_task() -> dict:
+    """TP 2: a session brings shared cross-attention K/V, each rank its own heads' (keyed by the bytes it stores, so
+    the registry keys differ between the ranks while the blocks agree); later calls must not see a divergence."""
+    rt = _runtime(_tp(), sessions=2, cross_regions=2)
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(2, 2, CFG.cross_len, CFG.num_heads, CFG.head_dim, generator=gen) for _ in range(CFG.num_layers)]
+    heads = slice(_rank() * CFG.num_heads // 2, (_rank() + 1) * CFG.num_heads // 2)
+    mine = [t[..., heads, :].contiguous() for t in full]
+    out = {"admit": _outcome(lambda: rt.admit("s", SPEC, rows=2, cross_kv=mine, cache_salt="tenant"))}
+    out["second"] = _outcome(lambda: rt.admit("t", SPEC, rows=2, cross_kv=mine, cache_salt="tenant"))  # shares
+    out["release"] = _outcome(lambda: rt.release("s"))
+    out["state"] = rt.state()
+    return out
+
+
 # ---- tests ----------------------------------------------------------------------------------------------------
 
 
@@ -165,3 +180,11 @@ def test_multirank_a_check_refusing_one_ranks_forward_rolls_back_every_rank(gloo
     for r, out in enumerate(outs):
         assert out["unchanged"], f"rank {r}: the refused commit changed its state"
     assert outs[0]["state"] == outs[1]["state"], "the ranks' histories differ after the refused commit"
+
+
+def test_multirank_tensor_parallel_ranks_with_shared_regions_stay_in_agreement(gloo_ranks):
+    outs = gloo_ranks.run(tensor_parallel_regions_task, timeout=TIMEOUT_S)
+    for r, out in enumerate(outs):
+        for what in ("admit", "second", "release"):
+            assert out[what] == ("ok", ""), (r, what, out[what])
+    assert [out["state"]["owners"] for out in outs] == [{"t": [[], []]}] * 2
