@@ -10,6 +10,11 @@ Every allocator follows the same contract (``BlockAllocator``), checked by one t
   The whole list is validated first: freeing a block more times than it has owners (a double free),
   or an id out of range, raises ``ConfigError`` and changes nothing.
 - ``refcount(block)`` is the number of owners (0 = free); ``num_free`` the number of free blocks.
+- ``begin_undo()`` starts an undo log of every later ``allocate``/``free``/``share``; ``undo()`` reverts them
+  exactly (refcounts AND the free list's order, so the next ``allocate`` hands out the ids it would have) and
+  ``end_undo()`` keeps them. Cost: O(blocks the logged calls touched), whatever the pool's size: what lets a
+  multi-rank runtime restore a lifecycle call another rank refused (`distributed/rank_runtime.py`) at pools of
+  tens of thousands of blocks, where a deep copy of vLLM's linked free list overflows the stack.
 
 Two implementations:
 
@@ -69,6 +74,47 @@ class BlockAllocator(Protocol):
     def refcount(self, block: int) -> int:
         """Owners of ``block`` (0 when free)."""
         ...
+
+    def begin_undo(self) -> None:
+        """Log every later allocate/free/share until `undo` or `end_undo` (no nesting: ``ConfigError``)."""
+        ...
+
+    def undo(self) -> None:
+        """Revert every logged call, newest first, exactly; stop logging."""
+        ...
+
+    def end_undo(self) -> None:
+        """Keep the logged calls; stop logging."""
+        ...
+
+
+class _UndoLog:
+    """The undo log both allocators share: entries (operation, ids, released) in call order; each allocator
+    reverts its own entries (`_revert`)."""
+
+    _log: list | None = None
+
+    def begin_undo(self) -> None:
+        if self._log is not None:
+            raise ConfigError("an undo log is already open on this allocator: end_undo() or undo() it first")
+        self._log = []
+
+    def end_undo(self) -> None:
+        self._log = None
+
+    def undo(self) -> None:
+        log, self._log = self._log, None
+        if log is None:
+            raise ConfigError("undo() without begin_undo(): there is nothing to revert")
+        for entry in reversed(log):
+            self._revert(*entry)
+
+    def _logged(self, operation: str, ids: list[int], released: list[int] = ()) -> None:
+        if self._log is not None:
+            self._log.append((operation, ids, list(released)))
+
+    def _revert(self, operation: str, ids: list[int], released: list[int]) -> None:  # pragma: no cover
+        raise NotImplementedError
 
 
 # ---- shared validation --------------------------------------------------------------------------
@@ -171,7 +217,7 @@ def _validate_share(blocks: Any, num_blocks: int, refcount) -> list[int]:
 # ---- built-in -----------------------------------------------------------------------------------
 
 
-class BuiltinAllocator:
+class BuiltinAllocator(_UndoLog):
     """Free stack + refcount list. ``allocate``/``free``/``share`` cost O(1) per block.
 
     Fresh allocators hand out ids in ascending order; freed blocks are reused first (LIFO).
@@ -199,6 +245,7 @@ class BuiltinAllocator:
         ref = self._ref
         for b in out:
             ref[b] = 1
+        self._logged("allocate", list(out))
         return out
 
     def free(self, blocks: Sequence[int]) -> None:
@@ -211,12 +258,29 @@ class BuiltinAllocator:
                 released.append(b)
         released.reverse()  # the first block of the list is reused first
         self._free.extend(released)
+        self._logged("free", list(ids), released)
 
     def share(self, blocks: Sequence[int]) -> None:
         ids = _validate_share(blocks, self.num_blocks, self._ref.__getitem__)
         ref = self._ref
         for b in ids:
             ref[b] += 1
+        self._logged("share", list(ids))
+
+    def _revert(self, operation: str, ids: list[int], released: list[int]) -> None:
+        ref = self._ref
+        if operation == "allocate":  # back on the stack in the order they left it
+            for b in ids:
+                ref[b] = 0
+            self._free.extend(reversed(ids))
+        elif operation == "free":  # the released ids are the stack's top
+            if released:
+                del self._free[-len(released):]
+            for b in ids:
+                ref[b] += 1
+        else:
+            for b in ids:
+                ref[b] -= 1
 
     def refcount(self, block: int) -> int:
         return self._ref[_block_id(block, self.num_blocks, "refcount")]
@@ -244,7 +308,7 @@ def _import_vllm_block_pool():
     return BlockPool
 
 
-class VllmBlockPoolAdapter:
+class VllmBlockPoolAdapter(_UndoLog):
     """The ``BlockAllocator`` contract over ``vllm.v1.core.block_pool.BlockPool``.
 
     vLLM reserves its block 0 as the null block, so the pool is built with ``num_blocks + 1`` blocks and
@@ -292,17 +356,39 @@ class VllmBlockPoolAdapter:
         free = self.pool.get_num_free_blocks()
         if n > free:
             raise _capacity_error(n, free, self.num_blocks)
-        return [blk.block_id - 1 for blk in self.pool.get_new_blocks(n)]
+        out = [blk.block_id - 1 for blk in self.pool.get_new_blocks(n)]
+        self._logged("allocate", out)
+        return out
 
     def free(self, blocks: Sequence[int]) -> None:
         ids = _validate_free(blocks, self.num_blocks, self._ref)
         if ids:
             self.pool.free_blocks([self._blocks[b] for b in ids])
+            self._logged("free", list(ids), [b for b in dict.fromkeys(ids) if self._blocks[b].ref_cnt == 0])
 
     def share(self, blocks: Sequence[int]) -> None:
         ids = _validate_share(blocks, self.num_blocks, self._ref)
         if ids:
             self.pool.touch([self._blocks[b] for b in ids])
+            self._logged("share", list(ids))
+
+    def _revert(self, operation: str, ids: list[int], released: list[int]) -> None:
+        """BlockPool hands out the head of its free queue and puts freed (unhashed) blocks back at the head: an
+        allocation goes back in front in its order, a free's released blocks leave the queue (O(1) each)."""
+        queue = self.pool.free_block_queue
+        if operation == "allocate":
+            blocks = [self._blocks[b] for b in ids]
+            for blk in blocks:
+                blk.ref_cnt = 0
+            queue.prepend_n(blocks)
+        elif operation == "free":
+            for b in released:
+                queue.remove(self._blocks[b])
+            for b in ids:
+                self._blocks[b].ref_cnt += 1
+        else:
+            for b in ids:
+                self._blocks[b].ref_cnt -= 1
 
     def refcount(self, block: int) -> int:
         return self._blocks[_block_id(block, self.num_blocks, "refcount")].ref_cnt

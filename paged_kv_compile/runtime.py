@@ -134,6 +134,7 @@ class PagedKVRuntime:
         """``with runtime.forward(owner_id, kind, **args): model(...)``: one model forward of an owner, planned by
         its family (the kinds and their args are the family's: see its module under `families/`), committed when
         the body returns, rolled back if it raises."""
+        self._check_not_nested()  # before planning: a plan takes blocks
         return self.forward_plan(self.scheduler.plan(owner_id, kind, **args))
 
     def plan(self, owner_id: str, kind: str, **args: Any) -> ForwardPlan:
@@ -151,7 +152,9 @@ class PagedKVRuntime:
         # belongs to the active forward (nesting), or this plan was already finished/aborted (stale; its
         # blocks may belong to someone else by now, so it must never run).
         if self.active is not None:
-            raise RequestError("a forward is already active on this runtime; forwards do not nest")
+            if self.scheduler.in_flight is plan and plan is not self.active.plan:  # planned inside a warm-up
+                self.scheduler.abort_forward(plan)
+            self._check_not_nested()
         self.scheduler.check_in_flight(plan)
         try:
             bucket = self.bucket_for(len(plan.rows), plan.tokens, plan.context)
@@ -165,8 +168,7 @@ class PagedKVRuntime:
                                     expect_attention=expect_attention)
         try:
             yield self.active
-            self._check_attention_ran(self.active)
-            self._check_all_layers_wrote(self.active)
+            self.verify_forward(self.active)
         except BaseException:
             self.active = None
             meta.last_key = ()  # the aborted plan's build is never repeated: a retry may plan another layout
@@ -174,6 +176,17 @@ class PagedKVRuntime:
             raise
         self.active = None
         self.scheduler.finish_forward(plan)
+
+    def _check_not_nested(self) -> None:
+        if self.active is not None:
+            raise RequestError("a forward is already active on this runtime; forwards do not nest (nor run inside "
+                               "a warm-up): run it after the with block")
+
+    def verify_forward(self, active: ActiveForward) -> None:
+        """Every check that can refuse a forward after its body ran (commit or roll back is decided after them;
+        a multi-rank runtime runs them on every rank before the ranks vote on it). Repeatable: reads only."""
+        self._check_attention_ran(active)
+        self._check_all_layers_wrote(active)
 
     def _check_attention_ran(self, active: ActiveForward) -> None:
         """A forward of a bound runtime whose body ran no paged attention at all (no compiled site, no call of the
@@ -243,6 +256,7 @@ class PagedKVRuntime:
         """One forward over the rows of several owners at the same phase, in item order (`Scheduler.plan_batch`:
         items are (owner_id, kind) or (owner_id, kind, args)); metadata is built once for all of them, and a
         failure rolls back every owner."""
+        self._check_not_nested()
         return self.forward_plan(self.scheduler.plan_batch(items))
 
     def record_layers(self, layers) -> None:

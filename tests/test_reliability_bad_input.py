@@ -305,6 +305,26 @@ def test_a_nested_forward_is_refused_without_touching_the_outer_one():
     assert rt.scheduler.in_flight is None and rt.active is None
 
 
+def test_a_forward_inside_a_warm_up_is_refused_before_it_takes_blocks():
+    """A warm-up is the active forward but the scheduler does not know it: a forward run inside one must be refused
+    before planning (or hand back what it planned), never left in flight holding blocks."""
+    rt = make_world().rt
+    before = rt.state()
+    bucket = next(iter(rt.config.buckets)) if rt.config.buckets else Bucket(2, 6, 16)
+    with rt.warmup_forward(bucket):
+        with pytest.raises(RequestError, match="forwards do not nest"):
+            with rt.forward("live", "commit"):
+                pass
+        with pytest.raises(RequestError, match="forwards do not nest"):
+            with rt.forward_batch([("live", "commit")]):
+                pass
+        with pytest.raises(RequestError, match="forwards do not nest"):
+            with rt.forward_plan(rt.scheduler.plan("live", "commit")):  # planned first: handed back
+                pass
+    assert rt.state() == before, "the refused forward kept its blocks or stayed in flight"
+    rt.release("live")  # every later call still works
+
+
 # ---- the library's loop drivers ----------------------------------------------------------------------------------
 def test_a_request_no_bucket_can_serve_is_refused_before_it_holds_blocks():
     """`paged_run` (HunyuanImage-3) used to admit first and then fail to find a bucket: the request kept its blocks."""

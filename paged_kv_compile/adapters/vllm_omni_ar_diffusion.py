@@ -300,7 +300,11 @@ class PagedKVSessionState:
     def _start(self, forward: _BranchForward, action_len: int, query_len: int) -> None:
         """The model is about to run `forward`'s blocks: close the forward before it, open this one."""
         if forward.started:
-            return
+            if self._running is not None and self._running[0] is forward:
+                return  # the next layer of the forward already open
+            raise RuntimeError(
+                f"AR-Diffusion paged context of branch {forward.kv_branch!r} reused after its forward ended (another "
+                "forward started since): its layers would run inside that forward; call _kv_get for a new context")
         if self._pending.get(forward.kv_branch) is not forward:
             raise RuntimeError("AR-Diffusion paged context prepared after it was replaced by a newer _kv_get")
         if self._running is not None and self._running[0].commit_current:

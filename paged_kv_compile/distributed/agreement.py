@@ -3,9 +3,9 @@
 Every rank reaches each decision point with (a) its own outcome (None, or the exception it raised), (b) a hash of
 the call it is making, (c) a digest of the decision state every rank must share (owners, their versions and
 phases: equal on all ranks, also CFG ranks holding different rows) and (d) a digest of what only ranks of one
-SYMMETRIC group must share (block tables, free blocks, the call's arguments: equal across the TP x Ulysses ranks of
-one CFG rank, which hold identical block geometry). The vote is ONE all-reduce (MAX) of a small int64 tensor over a
-CPU (gloo) group, whatever the model's size:
+SYMMETRIC group must share (the call's arguments, a forward's plan geometry, block tables, free blocks: equal across
+the TP x Ulysses ranks of one CFG rank, which hold identical block geometry). The vote is ONE all-reduce (MAX) of a
+small int64 tensor over a CPU (gloo) group, whatever the model's size:
 
     [failed, call, -call, decisions, -decisions, (geometry_c, -geometry_c) for each CFG rank c]
 
@@ -126,6 +126,7 @@ class Agreement:
         split = {g: ranks for g, ranks in groups.items() if len(set(ranks.values())) > 1}
         raise DivergenceError(
             f"ranks that must hold identical block tables do not (symmetric group -> digests by rank: {split}): "
-            "their block tables, free blocks or the call's arguments differ. Nothing was computed; rebuild the "
-            "ranks' runtimes"
+            "their block tables, free blocks, the call's arguments or what the forward's plan computes differ "
+            "(a rank passing other arguments, e.g. another branch or spec, or whose runtime changed outside the "
+            "agreed calls). Nothing was computed; if the calls were the same, rebuild the ranks' runtimes"
         )

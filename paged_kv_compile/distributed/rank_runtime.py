@@ -10,16 +10,19 @@ a rank can fail inside its forward. Broadcasting one rank's decisions would ship
 a rank with other rows, and would not see the other ranks' failures at all. So each rank decides locally and
 the ranks vote (agreement.py, one small all-reduce):
 
-  * a lifecycle call (admit, reset, release, abort, fork) is applied locally -- the runtime validates before it
-    mutates, so a refusal changes nothing -- then voted on; if any rank refused, the ranks that applied it
-    restore the scheduler state they saved just before, so every rank ends exactly where it started and raises;
+  * a lifecycle call (admit, reset, release, abort, fork, set_scales) is applied locally -- the runtime validates
+    before it mutates, so a refusal changes nothing -- then voted on; if any rank refused or faulted, every rank
+    restores, in place, what it saved just before (snapshot.py: nothing keeps a reference to replaced state), so
+    every rank ends exactly where it started and raises;
   * a forward is planned and its metadata built (every refusal a forward can meet before compute), then voted
     on BEFORE the model runs: a rank never enters the model's own collectives (TP all-reduces) alone; after the
-    body (and the runtime's own "every layer ran" check) a second vote decides commit or roll back on every rank,
-    so a fault on one rank rolls back all of them;
-  * every vote carries a digest of the decision state (owners, versions, phases: equal on every rank) and, on
-    lifecycle calls and every `digest_every`-th forward, of the block tables (equal within the TP x Ulysses ranks
-    of one CFG rank): a rank that diverged raises DivergenceError on every rank before anything is computed.
+    body, every check that can refuse the forward (`PagedKVRuntime.verify_forward`) runs, then a second vote
+    decides commit or roll back on every rank, so a fault or refusal on one rank rolls back all of them;
+  * every vote carries a digest of the decision state (owners, versions, phases: equal on every rank) and one of
+    what each rank is about to compute (equal within the TP x Ulysses ranks of one CFG rank): the call's arguments
+    by value (`canonical`), a forward's bucket and plan geometry (`plan_geometry`) and, on lifecycle calls and every
+    `digest_every`-th forward, the block tables: a rank that diverged raises DivergenceError on every rank before
+    anything is computed.
 
 A fault BETWEEN the model's own collectives on one TP rank (say, an exception in layer 0's attention on rank 1
 only) leaves the other ranks waiting in the model's all-reduce, not in ours: that is the engine's collective, and
@@ -30,7 +33,7 @@ expectation, which symmetric ranks share, so they fail on all of them or none.
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -42,6 +45,7 @@ from ..errors import ConfigError, PagedKVError
 from ..runtime import PagedKVRuntime
 from .agreement import Agreement, Ballot, digest
 from .parallel_config import ParallelConfig
+from .snapshot import LifecycleSnapshot
 
 #: PagedKVRuntime members a RankRuntime passes through: they read state, or bind and hand out stand-ins
 #: (identical on every rank), or are what compiled sites call during the agreed forward.
@@ -72,15 +76,42 @@ def model_parallel_cpu_group() -> Any:
     return ps.get_world_group().cpu_group
 
 
-def _arg_repr(value: Any) -> Any:
-    """Call arguments as hashable reprs: tensors by shape and dtype (their content may differ by CFG rank)."""
+def canonical(value: Any) -> Any:
+    """A call argument as a comparable value: specs and other dataclasses field by field (by value, not by type
+    name), tensors by shape, dtype and -- on the host -- a digest of their bytes; on an accelerator by shape and
+    dtype only (reading them would sync the device on every forward: what the rank computes from them is in the
+    plan, whose geometry the forward's vote compares)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype))
+        if value.device.type != "cpu" or value.is_sparse:
+            return ("tensor", tuple(value.shape), str(value.dtype), str(value.device.type))
+        data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return ("tensor", tuple(value.shape), str(value.dtype), digest(data.tobytes()))
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.shape, str(value.dtype), digest(np.ascontiguousarray(value).tobytes()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__qualname__,
+                tuple((f.name, canonical(getattr(value, f.name))) for f in dataclasses.fields(value)))
     if isinstance(value, (list, tuple)):
-        return tuple(_arg_repr(v) for v in value)
+        return (type(value).__name__, tuple(canonical(v) for v in value))
     if isinstance(value, dict):
-        return tuple(sorted((k, _arg_repr(v)) for k, v in value.items()))
-    return value if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+        return ("dict", tuple(sorted((repr(k), canonical(v)) for k, v in value.items())))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(repr(canonical(v)) for v in value)))
+    if isinstance(value, (int, float, str, bytes, bool, type(None))):
+        return value
+    raise ConfigError(
+        f"a RankRuntime call argument of type {type(value).__name__} cannot be compared between ranks: pass ints, "
+        "strings, tensors, tuples/lists/dicts of them or dataclasses (the family's spec)"
+    )
+
+
+def plan_geometry(plan: Any, bucket: Any) -> int:
+    """What a planned forward will compute on this rank: its bucket, kind, and every row's block table, managed
+    mask, query positions and visible ends, the blocks it took, the regions it reads (equal within one symmetric
+    group, whose ranks hold identical block geometry)."""
+    rows = b"".join(b"".join(np.ascontiguousarray(a).tobytes() for a in row.arrays) + b"\x1e" for row in plan.rows)
+    regions = [None if r is None else tuple(r.blocks) for r in (plan.regions or ())]
+    return digest((bucket.rows, bucket.tokens, bucket.context), plan.kind, plan.keeps_kv, rows, plan.new_blocks, regions, plan.phase)
 
 
 class RankRuntime:
@@ -128,60 +159,61 @@ class RankRuntime:
                        for o in sched.owners.values())
         return digest(self.calls, owners, sched.in_flight is not None)
 
-    def _geometry(self, args: Any) -> int:
-        """What the ranks of one symmetric group must share: every owner's block ids and block reservations, free
-        blocks, regions, the call's arguments (reservations are block counts: CFG ranks' rows may differ)."""
+    def _tables(self) -> int:
+        """What the ranks of one symmetric group must share between calls: every owner's block ids and block
+        reservations, free blocks, regions (reservations are block counts: CFG ranks' rows may differ)."""
         sched = self.runtime.scheduler
         tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget]
                              + [b for row in o.rows for b in (len(row), *row)], dtype=np.int64).tobytes()
                   for o in sched.owners.values()]
-        regions = sched.regions.snapshot()["held"] if sched.regions.held else {}
-        return digest(sched.allocator.num_free, b"".join(tables), regions, _arg_repr(args))
+        # regions by blocks and holders, not by registry key: a rank keys a region by the bytes IT stores, and a TP
+        # rank stores its own heads (keys differ between TP ranks that hold the same blocks)
+        regions = {oid: [(tuple(r.blocks), r.tokens, r.holders) for r in regs] for oid, regs in sched.regions.held.items()}
+        return digest(sched.allocator.num_free, b"".join(tables), regions)
 
-    def _ballot(self, call: tuple, args: Any, *, tables: bool, error: BaseException | None = None) -> Ballot:
-        return Ballot(call=call, error=error, decisions=self._decisions(call),
-                      geometry=self._geometry(args) if tables else 0)
-
-    # ---- lifecycle: apply, vote, restore if any rank refused ------------------------------------------------
-    def _lifecycle(self, operation: str, owner_id: str, args: Any, apply: Callable[[], None],
-                   protect: Sequence[int] = ()) -> None:
-        """protect: local blocks whose pool bytes the call may overwrite while they belong to an owner it may evict
-        (an LRU victim of an admission that writes shared regions): saved too, restored with the scheduler."""
-        call = (operation, owner_id, None, self.calls)
-        ballot = self._ballot(call, args, tables=True)
-        saved = self._save(protect)
+    def _ballot(self, call: tuple, args: Any) -> Ballot:
+        """The call's arguments (canonical: by value) and the block tables, compared within the symmetric group (a
+        CFG rank passes its own branch's spec and rows); an argument that cannot be compared is this rank's
+        refusal (voted on: the others never wait alone)."""
+        ballot = Ballot(call=call, decisions=self._decisions(call))
         try:
-            apply()
+            ballot.geometry = digest(canonical(args), self._tables())
         except Exception as e:  # noqa: BLE001 - voted on, then re-raised
             ballot.error = e
+        return ballot
+
+    # ---- lifecycle: apply, vote, restore if any rank refused ------------------------------------------------
+    def _lifecycle(self, operation: str, owner_id: str | None, args: Any, apply: Callable[[], None],
+                   protect: Sequence[int] = (), *, scales: bool = False) -> None:
+        """protect: local blocks whose pool bytes the call may overwrite while they belong to an owner it may evict
+        (an LRU victim of an admission that writes shared regions): saved too, restored with the scheduler.
+
+        Every rank restores when the vote fails, the rank whose own call raised too: a refusal changes nothing
+        (the runtime validates first), but a fault part-way through the call may have changed something."""
+        call = (operation, owner_id, None, self.calls)
+        ballot = self._ballot(call, args)
+        saved = None
+        try:
+            saved = LifecycleSnapshot(self.runtime, protect, scales=scales)
+            if ballot.error is None:
+                apply()
+        except Exception as e:  # noqa: BLE001 - voted on, then re-raised
+            ballot.error = e
+        except BaseException:  # an interrupt: no vote follows; leave this rank as it was, the undo log closed
+            if saved is not None:
+                saved.restore()
+            self.calls += 1
+            raise
         try:
             self.agreement.vote(ballot)
         except BaseException:
-            if ballot.error is None:
-                self._restore(saved)
+            if saved is not None:
+                saved.restore()
             raise
+        else:
+            saved.keep()  # the vote passed: no rank's call raised, so the snapshot was taken
         finally:
             self.calls += 1
-
-    def _save(self, protect: Sequence[int] = ()) -> tuple:
-        """The scheduler's state (everything but the pool tensor) and the pool bytes of the `protect` blocks in
-        every layer, to restore if another rank refuses."""
-        sched = self.runtime.scheduler
-        state = copy.deepcopy(vars(sched), memo={id(sched.pool): sched.pool})
-        index = self._absolute(protect)
-        return state, index, (self.runtime.pool.tensor[:, index].clone() if len(index) else None)
-
-    def _absolute(self, blocks: Sequence[int]) -> torch.Tensor:
-        pool = self.runtime.pool
-        return torch.tensor([base + b for base in pool.layer_bases.tolist() for b in blocks], dtype=torch.long,
-                            device=pool.tensor.device)
-
-    def _restore(self, saved: tuple) -> None:
-        state, index, data = saved
-        vars(self.runtime.scheduler).clear()
-        vars(self.runtime.scheduler).update(state)
-        if data is not None:
-            self.runtime.pool.tensor[:, index] = data
 
     def _blocks_an_admission_may_overwrite(self, spec: Any) -> list[int]:
         """An admission that writes shared regions may evict the least recently used owner first and write into
@@ -201,7 +233,11 @@ class RankRuntime:
               content_keys: Sequence[str | bytes] | None = None) -> None:
         """`PagedKVRuntime.admit` on every rank or none. Under CFG-parallel each rank admits its own rows (its
         branch's spec and `rows`): the ranks agree on the decision, not on block counts."""
-        args = {"rows": rows, "spec": type(spec).__name__, "cache_salt": cache_salt, "content_keys": content_keys}
+        # cross_kv by shape only: a TP rank holds its own heads' K/V (content differs between the ranks)
+        shapes = None if cross_kv is None else [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor)
+                                                else type(t).__name__ for t in cross_kv]
+        args = {"rows": rows, "spec": spec, "cross_kv": shapes, "cache_salt": cache_salt,
+                "content_keys": content_keys}
         protect = self._blocks_an_admission_may_overwrite(spec) if cross_kv is not None else []
         self._lifecycle("admit", owner_id, args, lambda: self.runtime.admit(
             owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt, content_keys=content_keys), protect)
@@ -219,6 +255,13 @@ class RankRuntime:
         """`PagedKVRuntime.fork` on every rank or none (args: the family's, e.g. DreamZero's `commits=` budget)."""
         self._lifecycle("fork", parent_id, (child_id, args), lambda: self.runtime.fork(parent_id, child_id, **args))
 
+    def set_scales(self, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
+        """`KVPool.set_scales` on every rank or none (refused on every rank while any rank holds a block). The
+        scales are compared by shape: a TP rank passes its own kv heads' scales."""
+        shapes = [tuple(torch.as_tensor(s).shape) for s in (k_scale, v_scale)]
+        self._lifecycle("set_scales", None, shapes, lambda: self.runtime.pool.set_scales(k_scale, v_scale),
+                        scales=True)
+
     # ---- forwards ------------------------------------------------------------------------------------
     def forward(self, owner_id: str, kind: str, **args: Any) -> contextlib.AbstractContextManager:
         """`PagedKVRuntime.forward` on every rank: planned, voted on before the model runs, committed or rolled
@@ -235,20 +278,28 @@ class RankRuntime:
 
     @contextlib.contextmanager
     def _forward(self, what: tuple, args: Any, plan: Callable[[], Any]) -> Iterator[Any]:
+        """Plan, vote on what each rank is about to compute (the call, its arguments, the plan's bucket and
+        geometry), run the body, run every check that can refuse the forward, vote, then all commit or all roll
+        back."""
         call = (*what, self.calls)
-        ballot = self._ballot(call, args, tables=self.forwards % self.digest_every == 0)
+        tables = self._tables() if self.forwards % self.digest_every == 0 else None
+        ballot = Ballot(call=call, decisions=self._decisions(call))
         self.calls += 1
         self.forwards += 1
         with contextlib.ExitStack() as stack:
+            active = arguments = None
             try:
+                arguments = canonical(args)
                 active = stack.enter_context(self.runtime.forward_plan(plan()))
             except Exception as e:  # noqa: BLE001 - voted on, then re-raised (the runtime gave back what it took)
                 ballot.error = e
+            geometry = None if active is None else plan_geometry(active.plan, active.bucket)
+            ballot.geometry = digest(arguments, tables, geometry)
             self.agreement.vote(ballot)  # raises on every rank if any refused: the ExitStack rolls this rank back
             end = Ballot(call=("end", *what[1:], call[-1]))
             try:
                 yield active
-                self.runtime._check_all_layers_wrote(active)  # the runtime's own end check, before the vote
+                self.runtime.verify_forward(active)  # every check that can refuse the forward, before the vote
             except BaseException as e:
                 end.error = e
                 self.agreement.vote(end)  # tells the others; re-raises e: this rank rolls back

@@ -32,10 +32,14 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-#: how long a worker may take to start (spawn + imports + joining the world) on a loaded 2-core machine
-START_TIMEOUT_S = 240.0
-#: default limit of one `run` (every rank); a test passes its own when it needs more
-RUN_TIMEOUT_S = 180.0
+#: how long a worker may take to start (spawn + imports + joining the world). These limits only bound a HUNG call
+#: (a passing call never waits for them), so they are far above what a 2-core machine shared by several 2-rank
+#: jobs needs: 240 s / 180 s were exceeded under load, failing tests that pass on a quiet machine
+START_TIMEOUT_S = 900.0
+#: default limit of one `run` (every rank); a test passes a smaller one only to provoke a hang on purpose
+RUN_TIMEOUT_S = 900.0
+#: how long a hung rank's stack dump (SIGUSR1 -> faulthandler) may take to be written on a loaded machine
+DUMP_TIMEOUT_S = 60.0
 
 
 class RankError(RuntimeError):
@@ -196,16 +200,25 @@ class RankPool:
                 os.kill(self.procs[r].pid, signal.SIGUSR1)
             except OSError:
                 pass
-        time.sleep(1.0)
-        dumps = []
-        for r in hung:
-            try:
-                with open(self._stacks[r]) as f:
-                    dumps.append(f"---- rank {r} stacks ----\n{f.read()[-6000:]}")
-            except OSError:
-                dumps.append(f"---- rank {r}: no stack dump ----")
+        dumps = [f"---- rank {r} stacks ----\n{self._stack_dump(r)[-6000:]}" for r in hung]
         self._fail(f"{what}: rank(s) {hung} did not answer within {timeout:.0f} s (a hung collective?)\n"
                    + "\n".join(dumps), got)
+
+    def _stack_dump(self, rank: int) -> str:
+        """Rank `rank`'s stack dump once it is written completely (non-empty and unchanged for half a second; no
+        fixed sleep: a loaded machine may take seconds to schedule the signalled process), or a note."""
+        deadline, last = time.monotonic() + DUMP_TIMEOUT_S, ""
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                with open(self._stacks[rank]) as f:
+                    text = f.read()
+            except OSError:
+                text = ""
+            if text and text == last:
+                return text
+            last = text
+        return last or f"(no stack dump within {DUMP_TIMEOUT_S:.0f} s)"
 
     def _fail(self, message: str, got: dict) -> None:
         errors = "".join(f"\n---- rank {r} ----\n{p}" for r, (s, p) in sorted(got.items()) if s == "error")

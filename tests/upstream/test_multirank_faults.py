@@ -261,13 +261,14 @@ def test_cfg_parallel_refusal_on_one_rank_is_a_refusal_on_every_rank(omni, omni_
 
 
 def test_multirank_divergent_rank_raises_everywhere_before_computing(omni, omni_ctx, ranks):
-    """Decision state (digest at every vote): caught at the very forward it diverges before. Block tables (digest
-    every 2nd forward): the 7th forward's commit takes other block ids on rank 1; caught by the 9th. Either way the
-    forward that caught it ran no block on any rank and changed nothing."""
+    """Decision state (digest at every vote): caught at the very forward it diverges before. Block tables (compared
+    every 2nd forward): the 7th forward's commit takes other block ids on rank 1, which its plan's geometry (compared
+    at every forward) shows at once; it used to be caught by the 9th. Either way the forward that caught it ran no
+    block on any rank and changed nothing."""
     state, _ = _one_rank_dense(omni, calls=1)
     ranks.setup(tensor_parallel_size=2)
     for digest_every, what, caught_by in ((1, "decision state differs", DIVERGE_AT),
-                                          (2, "identical block tables", DIVERGE_AT + 2)):
+                                          (2, "identical block tables", DIVERGE_AT)):
         outs = ranks.run(dreamzero_divergence_task, state, digest_every)
         for r, out in enumerate(outs):
             name, message = out["outcome"]

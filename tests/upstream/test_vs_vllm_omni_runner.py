@@ -273,6 +273,36 @@ def test_session_state_refuses_bad_calls_and_leaves_the_runtime_as_it_was(omni, 
     assert kv.runtime.state() == before and kv.runtime.active is None
 
 
+def test_session_state_refuses_a_context_reused_after_its_forward_ended(omni, omni_ctx):
+    """A branch's context whose forward was closed (the other branch's forward started) must not run its layers
+    inside the forward now open: refused, and the open forward is left as it was."""
+    from paged_kv_compile.adapters.vllm_omni_ar_diffusion import DreamZeroPagedKV
+
+    pipeline = dr.build_pipeline(GEOMETRY, omni_ctx)
+    kv = DreamZeroPagedKV.build(pipeline.transformer, pipeline.ar_diffusion_kv_cache_spec(), available_bytes=BUDGET,
+                                memory_fraction=0.1, dtype=torch.float32, kernel="reference",
+                                inner_compiler="aot_eager")
+    state = kv.begin_session("s")
+    fs = GEOMETRY.frame_seqlen
+    every_layer = range(kv.runtime.config.num_layers)  # what the compiled sites record (no model runs here)
+    for branch in ("positive", "negative"):  # the first chunk, committed on both branches
+        state.get_kv_caches(branch, seq_len=fs, commit_current=True)[0].forward_ctx.prepare(torch.device("cpu"), 0, fs)
+        kv.runtime.record_layers(every_layer)
+        state.commit_paged_context(branch)
+    chunk, registers = GEOMETRY.num_frame_per_block * fs, GEOMETRY.num_action_per_block + GEOMETRY.num_state_per_block
+    first = state.get_kv_caches("positive", seq_len=chunk)  # a denoising step of the next chunk, per branch
+    first[0].forward_ctx.prepare(torch.device("cpu"), registers, chunk + registers)
+    kv.runtime.record_layers(every_layer)
+    second = state.get_kv_caches("negative", seq_len=chunk)
+    second[0].forward_ctx.prepare(torch.device("cpu"), registers, chunk + registers)  # closes the positive forward
+    active = kv.runtime.active
+    with pytest.raises(RuntimeError, match="'positive' reused after its forward ended"):
+        first[1].forward_ctx.prepare(torch.device("cpu"), registers, chunk + registers)
+    assert kv.runtime.active is active, "the open forward changed"
+    kv.runtime.record_layers(every_layer)
+    state.end_invocation()
+
+
 def test_unconfirmed_commit_fails_the_invocation_closed(omni):
     """A pipeline that runs a commit forward and never confirms it: the runner's invocation raises, the commit is
     rolled back and the session released, and the runtime holds nothing."""
