@@ -337,8 +337,9 @@ def _lean_autograd(op_def) -> None:
     `custom_op`'s ADInplaceOrView kernel does, and redispatch straight to the backend kernel.
 
     Why: on the CPU every call went through two Python layers before the kernel, `custom_op`'s Autograd
-    kernel and its ADInplaceOrView kernel, whose `torch._library.utils.fill_defaults` rebuilds the schema's
-    argument list once per argument; about 0.2 ms per call measured at tiny shapes (docs/benchmarks.md).
+    kernel and its ADInplaceOrView kernel; on torch 2.13 the latter's `torch._library.utils.fill_defaults`
+    rebuilt the schema's argument list once per argument, about 0.2 ms per call measured at tiny shapes
+    (docs/benchmarks.md). Torch 2.14 dropped that `fill_defaults`; the lean kernel still saves the layer.
     When an input requires grad, `custom_op`'s own kernel runs (same behaviour as before). On a torch
     without these internals the registration is left as `custom_op` made it.
     """
@@ -350,7 +351,7 @@ def _lean_autograd(op_def) -> None:
         below = torch._C._after_ADInplaceOrView_keyset
         below_autograd = torch._C._AutoDispatchBelowAutograd
         lib = op_def._lib
-    except (ImportError, AttributeError):  # pragma: no cover - another torch version
+    except (ImportError, AttributeError):  # another torch version: tests/test_op_reference.py plants it
         return
     mutated = [i for i, a in enumerate(overload._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     bump = torch.autograd.graph.increment_version
