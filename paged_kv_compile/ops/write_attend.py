@@ -255,12 +255,28 @@ def resolve_kernel(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visi
 CALLS = 0
 
 
+def _refuse_pool_aliases(kv_pool: torch.Tensor, **reads: torch.Tensor | None) -> None:
+    """Refuse a read argument in the pool's memory: the op would read what it writes. Inductor produces such a
+    call from `y = pool.clone(); op(y-derived, pool)` (pytorch/pytorch#198031, open in torch 2.13 and 2.14): a
+    clear error instead of silently wrong numbers. Real tensors only (a fake tensor has no memory)."""
+    base = kv_pool.untyped_storage().data_ptr()
+    shared = [name for name, t in reads.items() if t is not None and t.untyped_storage().data_ptr() == base]
+    if shared:
+        raise OpInputError(
+            f"{', '.join(shared)} share(s) memory with kv_pool, which the op writes: pass tensors of their own "
+            "(under torch.compile this comes from a clone of the pool next to the op, pytorch/pytorch#198031: "
+            "do not clone the pool in compiled code)"
+        )
+
+
 def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
          kv_scales):
     global CALLS
     CALLS += 1
     validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility,
                     kv_scales)
+    _refuse_pool_aliases(kv_pool, query=query, key=key, value=value, slot_mapping=slot_mapping,
+                         block_table=block_table, seq_lens=seq_lens, kv_visible_end=kv_visible_end, kv_scales=kv_scales)
     name = resolve_kernel(kernel, query, kv_pool, visibility)
     if CHECK_VALUES and query.device.type == "cpu":
         check_values(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility)
