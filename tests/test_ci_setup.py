@@ -96,6 +96,19 @@ def test_ci_runs_the_readme_test_command():
     assert commands[0] in ci_lines, f".ci/run does not run the README's command {commands[0]!r}"
 
 
+GLOSSARY = ("pool", "managed blocks", "scratch", "runtime", "owner", "CFG rows", "family", "site", "idiom", "stand-in",
+            "bucket", "binding", "region", "fork", "fill state", "host checks", "rank")
+
+
+def test_the_readme_reads_in_five_minutes_and_defines_its_words():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) < 200, "keep the README under 200 lines: details go to docs/"
+    defined = set(re.findall(r"^\| ([\w -]+) \| ", readme.split("## Words used here", 1)[1], flags=re.M))
+    assert set(GLOSSARY) <= defined, f"the README's glossary lacks {sorted(set(GLOSSARY) - defined)}"
+    for link in re.findall(r"\]\((docs/[\w.]+)", readme):
+        assert (REPO / link).exists(), f"the README links to {link}, which does not exist"
+
+
 def _monkeypatched_torch_configs(source: str) -> list[str]:
     """`monkeypatch.setattr(<torch...config...>, ...)` calls (object form and dotted-string form)."""
     found = []
