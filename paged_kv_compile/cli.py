@@ -133,7 +133,9 @@ def _header_lines(r: dict) -> list[str]:
         f"compiled graph(s): {sites['rewritten']} rewritten, {sites['dense']} left dense (no KV cache), "
         f"{sites['refused']} refused; each compiled graph serves all {sites['layers']} layers",
         f"parity oracle, dense eager vs paged: {parity['loops']}: max |dense - paged| = "
-        f"{_verdict(parity['max_abs_diff'], parity['atol'])}, tolerance {parity['atol']:g}",
+        f"{_verdict(parity['max_abs_diff'], parity['atol'])}, tolerance {parity['atol']:.2g} (compiling the dense "
+        f"model alone moved it {parity['compile_drift']:.2g}; the bound: {parity['drift_factor']}x that, within "
+        f"[{parity['floor']:g}, {parity['ceiling']:g}])",
     ]
 
 

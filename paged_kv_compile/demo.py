@@ -10,6 +10,11 @@ first (every bucket compiled) and then serving, where a compile is an error:
   lockstep: paged, dense eager (the oracle of every owner's rows) and dense compiled exactly as the paged
   blocks are (regional, fullgraph, static shapes, the same inner compiler: the baseline of times and frames).
 
+Parity's bound comes from what compilation itself changes: the scene measures dense eager vs dense compiled
+(`compile_drift`, the same inner compiler as the paged blocks: Inductor's fp32 reordering is about 1e-5 on its
+own), and paged may differ from dense eager by `parity_bound(drift)`: `DRIFT_FACTOR` times that, never below
+`PARITY_ATOL` nor above `PARITY_CEILING` (a real error, a wrong key or a lost write, is far larger).
+
 Every figure in the report is measured in the run: bytes from the allocator and the dense caches themselves,
 frames from dynamo's counter, times from the clock around each forward.
 """
@@ -35,7 +40,9 @@ from .models.hooks import DenseHooks, drive
 from .pool import KVPool
 from .runtime import PagedKVRuntime
 
-PARITY_ATOL = 1e-5
+PARITY_ATOL = 1e-5  # the floor of the parity bound (and the bound itself when compiling changes nothing)
+PARITY_CEILING = 1e-4  # the bound never exceeds this, whatever the dense compile moved
+DRIFT_FACTOR = 4  # how many times what compiling the dense model moved it may paging move it
 #: dynamo's per-code-object recompile limit while the demo runs: the dense baseline compiles one frame per cache
 #: length and row count, next to the paged frames of the same block code; past the default 8 dynamo would fall
 #: back to eager and the dense times would silently stop being compiled ones.
@@ -171,6 +178,7 @@ class SceneResult:
     pool_bytes: int = 0
     held_bytes: int = 0  # distinct blocks the scene's owners hold, all layers
     blocks_free_after: tuple[int, int] = (0, 0)  # (free, total) once every owner is released
+    compile_drift: float = 0.0  # the worst max |dense eager - dense compiled| over the scene's forwards
 
 
 class Scene:
@@ -185,6 +193,7 @@ class Scene:
         self.forwards: list[TimedForward] = []
         self.dense_frames = 0
         self.paged_compiles = 0
+        self.compile_drift = 0.0
         self._recorders: dict[str, tuple[_DenseRecorder, _DenseRecorder]] = {}  # lane -> (oracle, dense compiled)
 
     def run(self) -> SceneResult:
@@ -248,6 +257,8 @@ class Scene:
                 for recorder, fw, result in zip((oracle_hooks, dense_hooks), (oracle_fw, dense_fw), results[1:]):
                     recorder.held = self.setup.family.dense_caches_after(recorder.held, fw.kind, result)
                 self._record_parity(owner_ids, self.demo.compare_rows(results[1], results[0]))
+                drift = self.demo.compare_rows(results[1], results[2]).max().item()
+                self.compile_drift = max(self.compile_drift, drift)
                 self.forwards.append(TimedForward(rows, paged_s, dense_s, compiled))
                 done += 1
         for owner_id, row_bytes in zip(owner_ids, self._split(owner_ids, self.demo.dense_kv_bytes(oracle_hooks.held))):
@@ -308,10 +319,16 @@ class Scene:
         for owner_id in list(self.owners):
             runtime.release(owner_id)
         return SceneResult(list(self.owners.values()), self.forwards, self.dense_frames, self.paged_compiles, fork,
-                           runtime.pool.nbytes, held, (allocator.num_free, runtime.pool.blocks_per_layer))
+                           runtime.pool.nbytes, held, (allocator.num_free, runtime.pool.blocks_per_layer),
+                           self.compile_drift)
 
 
 # ---- the whole demo -------------------------------------------------------------------------------------
+
+
+def parity_bound(compile_drift: float) -> float:
+    """How far paged may be from dense eager, given how far compiling the dense model moved it (module doc)."""
+    return min(PARITY_CEILING, max(PARITY_ATOL, DRIFT_FACTOR * compile_drift))
 
 
 def _parity(setup: Setup) -> float:
@@ -389,6 +406,7 @@ def run(setup: Setup, *, threads: int | None = None, progress: Progress | None =
         finally:
             captured.uninstall()
     dense_compile_s = sum(f.dense_s for f in scene.forwards if f.dense_compiled)
+    atol = parity_bound(scene.compile_drift)
     return {
         "model": setup.family.name.replace("_", "-"),
         "description": setup.demo.describe,
@@ -399,11 +417,12 @@ def run(setup: Setup, *, threads: int | None = None, progress: Progress | None =
         "inner_compiler": setup.inner_compiler,
         "cuda_graphs": captured.capture,
         "attention_sites": {**warm["sites"], "graphs": warm["graphs"], "layers": setup.runtime.config.num_layers},
-        "parity": {"loops": setup.demo.loops_describe, "max_abs_diff": diff, "atol": PARITY_ATOL,
-                   "ok": diff <= PARITY_ATOL},
+        "parity": {"loops": setup.demo.loops_describe, "max_abs_diff": diff, "atol": atol,
+                   "compile_drift": scene.compile_drift, "drift_factor": DRIFT_FACTOR, "floor": PARITY_ATOL,
+                   "ceiling": PARITY_CEILING, "ok": diff <= atol},
         "scene": {
             "owners": [o.as_dict() for o in scene.owners],
-            "parity_ok": all(o.max_abs_diff is None or o.max_abs_diff <= PARITY_ATOL for o in scene.owners),
+            "parity_ok": all(o.max_abs_diff is None or o.max_abs_diff <= atol for o in scene.owners),
             "fork": scene.fork,
             "blocks_free_after": list(scene.blocks_free_after),
         },
@@ -425,5 +444,5 @@ def run(setup: Setup, *, threads: int | None = None, progress: Progress | None =
 
 
 def ok(report: dict) -> bool:
-    """The demo's verdict: the parity loops and every owner of the scene match dense within PARITY_ATOL."""
+    """The demo's verdict: the parity loops and every owner of the scene match dense within the parity bound."""
     return report["parity"]["ok"] and report["scene"]["parity_ok"]

@@ -247,6 +247,27 @@ def test_gpu_check_dry_run(tmp_path, capsys):
     assert "overall: PASS" in capsys.readouterr().out
 
 
+def test_dry_runs_write_nowhere_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    """Without --out a dry run's JSON goes to a fresh temporary folder (CI runs dry runs from the repository
+    root); a real run keeps writing `$OUT/<name>.json` or `<name>.json`."""
+    from benchmarks._out import report_path
+
+    work = tmp_path / "repo"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("OUT", raising=False)
+    assert gpu_check.main(["--dry-run", "--skip-tests", "--skip-suite", "--skip-e2e"]) == 0
+    assert list(work.iterdir()) == [], "a dry run wrote into the working directory"
+    written = Path(capsys.readouterr().out.split("JSON: ")[-1].strip())
+    assert written.name == "gpu_check_dry_run.json" and json.loads(written.read_text())["dry_run"]
+    for name in ("gpu_check", "gpu_suite", "e2e_scale"):
+        assert report_path(name, True, None).parent.parent != work
+        assert report_path(name, False, None) == Path(f"{name}.json")
+        assert report_path(name, True, str(work / "x.json")) == work / "x.json"
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert report_path("gpu_suite", False, None) == tmp_path / "out" / "gpu_suite.json"
+
+
 def test_op_overhead_times_the_three_call_paths():
     """`forward_time --op-overhead`: the op through the lean dispatch, through custom_op's layers, and the
     kernel function alone; structure only, never a timing."""

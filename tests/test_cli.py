@@ -77,6 +77,7 @@ def test_demo_dreamzero_json(capsys):
     assert r["model"] == "dreamzero" and r["inner_compiler"] == "aot_eager" and r["info"]["size"] == "tiny"
     assert r["threads"] == 1 and torch.get_num_threads() == threads  # set for the demo, restored after
     assert r["parity"]["ok"] and r["parity"]["max_abs_diff"] <= 1e-5 and "10 chunks x 3" in r["parity"]["loops"]
+    assert r["parity"]["atol"] == demo.parity_bound(r["parity"]["compile_drift"]) == 1e-5  # aot_eager moves nothing
     owners = {o["owner_id"]: o for o in r["scene"]["owners"]}
     assert list(owners) == ["new", "half", "full", "full/0", "full/1", "full/2", "full/3"]
     assert r["scene"]["parity_ok"] and all(o["max_abs_diff"] <= 1e-5 for o in owners.values())
@@ -140,6 +141,32 @@ def test_demo_exits_nonzero_when_a_scene_owner_disagrees(capsys, monkeypatch):
     monkeypatch.setattr(demo, "build", broken)
     code, out, _ = _run(capsys, "demo", "--quiet", "--size", "tiny", "--inner-compiler", "aot_eager")
     assert code == 1 and "1 (FAILED)" in out
+
+
+def test_the_parity_bound_is_what_compiling_moved_times_a_factor_floored_and_capped():
+    assert demo.parity_bound(0.0) == demo.PARITY_ATOL == 1e-5  # aot_eager: dense compiled is dense eager
+    assert demo.parity_bound(9.8e-6) == pytest.approx(demo.DRIFT_FACTOR * 9.8e-6)  # Inductor's fp32 reordering
+    assert demo.parity_bound(1.0) == demo.PARITY_CEILING == 1e-4  # a broken dense compile cannot loosen it more
+
+
+def test_demo_fails_on_an_error_planted_in_the_paged_attention(capsys, monkeypatch):
+    """The reference kernel's output moved by 1e-3 (a real error: far above the bound): the demo says FAILED and
+    exits 1; the dense sides never run the op, so the drift that sets the bound stays what compiling moved."""
+    from paged_kv_compile.ops import reference
+
+    build, attend = demo.build, reference.attend
+
+    def short(*args, **kwargs):
+        setup = build(*args, **{**kwargs, "short": True})
+        setup.demo.lanes, setup.demo.forks = setup.demo.lanes[:1], None
+        return setup
+
+    monkeypatch.setattr(demo, "build", short)
+    monkeypatch.setattr(reference, "attend", lambda *a, **k: attend(*a, **k) + 1e-3)
+    code, out, _ = _run(capsys, "demo", "--json", "--quiet", "--size", "tiny", "--inner-compiler", "aot_eager")
+    r = json.loads(out)
+    assert code == 1 and not r["parity"]["ok"] and not r["scene"]["parity_ok"]
+    assert r["parity"]["max_abs_diff"] > r["parity"]["atol"] == 1e-5 and r["parity"]["compile_drift"] == 0.0
 
 
 def test_the_verdict_needs_the_loops_and_every_owner():

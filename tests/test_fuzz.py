@@ -1,10 +1,10 @@
-"""The differential fuzzer (`benchmarks/fuzz.py`, issue 23) in CI.
+"""The differential fuzzer (`fuzz/differential.py`) in CI.
 
-A short seeded run per family and pool dtype must find nothing while covering every operation; each of issue 23's
-defects 1-6, put back by its mutant (`benchmarks/_fuzz_mutants.py`: the fix's hunk reversed), must be found within a
+A short seeded run per family and pool dtype must find nothing while covering every operation; each of defects
+1-6 of docs/reliability.md, put back by its mutant (`fuzz/mutants.py`: the fix's hunk reversed), must be found within a
 bounded number of operations at a fixed seed, as a wrong answer, a leaked state, a deadlock or a divergence of the
 two serving paths naming the operation; and the same operations must pass on the fixed code, so what was found is
-the defect. Longer: ``PAGED_KV_FUZZ_STEPS=2000`` (steps of the short runs) or ``python -m benchmarks.fuzz``.
+the defect. Longer: ``PAGED_KV_FUZZ_STEPS=2000`` (steps of the short runs) or ``python -m fuzz``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import fuzz  # noqa: E402
-from benchmarks._fuzz_mutants import mutant  # noqa: E402
-from benchmarks.fuzz import Fuzzer, FuzzFailure  # noqa: E402
+from fuzz import differential as fuzz  # noqa: E402
+from fuzz.differential import Fuzzer, FuzzFailure  # noqa: E402
+from fuzz.mutants import mutant  # noqa: E402
 
 STEPS = int(os.environ.get("PAGED_KV_FUZZ_STEPS", "300"))
 
@@ -106,7 +106,7 @@ def test_a_short_run_compares_every_forward_and_finds_nothing(family, fp8):
                                                                         sorted(map(str, fuzzer.signatures)))
 
 
-# ---- issue 23's defects put back: each is found -----------------------------------------------------------------
+# ---- the defects put back: each is found -----------------------------------------------------------------------
 
 #: defect -> (family, FP8 pool, seed, at most this many operations, what the fuzzer reports). The seeds find the
 #: defect early (docs/reliability.md lists after how many operations seeds 0-9 find each).

@@ -173,38 +173,64 @@ def test_value_checks_can_be_turned_off(monkeypatch):
 
 def test_a_call_without_gradients_skips_custom_ops_python_layers_and_still_bumps_the_pool_version(monkeypatch):
     """`write_attend._lean_autograd`: a call where no input needs a gradient goes from one Python Autograd
-    kernel straight to the backend, so `custom_op`'s ADInplaceOrView layer (its per-call `fill_defaults`) is
-    never reached; the pool's version counter still moves (it is the op's one mutated argument) and the
-    output is the same as the reference kernel's. With an input that requires grad, `custom_op`'s own layers
-    run (the output carries a grad_fn whose backward says no formula is registered)."""
+    kernel straight to the backend, so `custom_op`'s ADInplaceOrView layer is never reached (its version bump,
+    `torch._library.custom_ops.increment_version`, is the probe: torch 2.13 and 2.14 both call it there; 2.13
+    also rebuilt the argument list with `fill_defaults` in that layer, 2.14 no longer does); the pool's version
+    counter still moves (it is the op's one mutated argument) and the output is the same as the reference
+    kernel's. With an input that requires grad, `custom_op`'s own layers run (the output carries a grad_fn
+    whose backward says no formula is registered)."""
+    import torch._library.custom_ops as custom_ops
     import torch._library.utils as library_utils
 
-    calls = []
-    real = library_utils.fill_defaults
-    monkeypatch.setattr(library_utils, "fill_defaults", lambda *a: calls.append(1) or real(*a))
+    assert set(wa.AUTOGRAD_KERNELS) == {"write_attend", "attend"}, "the lean kernels are registered on this torch"
+    layer, filled = [], []
+    real_bump, real_fill = custom_ops.increment_version, library_utils.fill_defaults
+    monkeypatch.setattr(custom_ops, "increment_version", lambda v: layer.append(1) or real_bump(v))
+    monkeypatch.setattr(library_utils, "fill_defaults", lambda *a: filled.append(1) or real_fill(*a))
     case = make_case(seed=3, hkv=1, ratio=2, block_size=4, tokens=3, prefixes=[5, 2], new_counts=[3, 1],
                      modes=["causal", "full"])
     before, version = case.pool.clone(), case.pool._version
     out = write_attend.default(*case.args(), case.scale, "reference")
-    assert calls == [], "custom_op's ADInplaceOrView layer ran"
+    assert layer == [] and filled == [], "custom_op's ADInplaceOrView layer ran"
     assert case.pool._version > version, "the pool's version counter must move"
     torch.testing.assert_close(out, dense_oracle(case), atol=1e-5, rtol=0)
     assert torch.equal(case.pool, expected_pool(case, before))
     with wa.custom_op_layers():  # what benchmarks/forward_time.py --op-overhead compares against
+        version = case.pool._version
         write_attend.default(*case.args(), case.scale, "reference")
-    assert calls, "inside custom_op_layers the ops run through custom_op's own layers"
-    calls.clear()
+        assert case.pool._version > version
+    assert layer, "inside custom_op_layers the ops run through custom_op's own layers"
+    layer.clear()
     write_attend.default(*case.args(), case.scale, "reference")
-    assert calls == [], "custom_op_layers restores the lean kernel"
+    assert layer == [], "custom_op_layers restores the lean kernel"
 
     case = make_case(seed=3, hkv=1, ratio=2, block_size=4, tokens=3, prefixes=[5, 2], new_counts=[3, 1],
                      modes=["causal", "full"])
     args = list(case.args())
     args[0] = args[0].clone().requires_grad_()
     out = write_attend.default(*args, case.scale, "reference")
-    assert calls, "with a gradient needed, custom_op's own layers run"
+    assert layer, "with a gradient needed, custom_op's own layers run"
     with pytest.raises(RuntimeError, match="no autograd formula"):
         out.sum().backward()
+
+
+def test_the_lean_kernel_is_left_out_on_a_torch_without_its_internals(monkeypatch):
+    """Where `torch._library.autograd.make_autograd_impl` is absent (another torch), `_lean_autograd` leaves
+    `custom_op`'s registration as it was: the op still runs and bumps its mutated argument's version."""
+    import torch._library.autograd as library_autograd
+
+    @torch.library.custom_op("paged_kv_test::add_one_", mutates_args=("x",))
+    def add_one_(x: torch.Tensor) -> None:
+        x.add_(1)
+
+    monkeypatch.delattr(library_autograd, "make_autograd_impl")
+    kernels = dict(wa.AUTOGRAD_KERNELS)
+    wa._lean_autograd(add_one_)
+    assert wa.AUTOGRAD_KERNELS == kernels, "nothing is registered without the internals"
+    x = torch.zeros(3)
+    version = x._version
+    add_one_(x)
+    assert torch.equal(x, torch.ones(3)) and x._version > version
 
 
 def _torch_checks_pass(monkeypatch, args) -> bool:

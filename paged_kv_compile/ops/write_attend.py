@@ -259,12 +259,28 @@ UNPAGED_CALLS = 0
 UNPAGED_WHY = ""
 
 
+def _refuse_pool_aliases(kv_pool: torch.Tensor, **reads: torch.Tensor | None) -> None:
+    """Refuse a read argument in the pool's memory: the op would read what it writes. Inductor produces such a
+    call from `y = pool.clone(); op(y-derived, pool)` (pytorch/pytorch#198031, open in torch 2.13 and 2.14): a
+    clear error instead of silently wrong numbers. Real tensors only (a fake tensor has no memory)."""
+    base = kv_pool.untyped_storage().data_ptr()
+    shared = [name for name, t in reads.items() if t is not None and t.untyped_storage().data_ptr() == base]
+    if shared:
+        raise OpInputError(
+            f"{', '.join(shared)} share(s) memory with kv_pool, which the op writes: pass tensors of their own "
+            "(under torch.compile this comes from a clone of the pool next to the op, pytorch/pytorch#198031: "
+            "do not clone the pool in compiled code)"
+        )
+
+
 def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
          kv_scales):
     global CALLS
     CALLS += 1
     validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility,
                     kv_scales)
+    _refuse_pool_aliases(kv_pool, query=query, key=key, value=value, slot_mapping=slot_mapping,
+                         block_table=block_table, seq_lens=seq_lens, kv_visible_end=kv_visible_end, kv_scales=kv_scales)
     name = resolve_kernel(kernel, query, kv_pool, visibility)
     if CHECK_VALUES and query.device.type == "cpu":
         check_values(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility)
@@ -341,8 +357,9 @@ def _lean_autograd(op_def) -> None:
     `custom_op`'s ADInplaceOrView kernel does, and redispatch straight to the backend kernel.
 
     Why: on the CPU every call went through two Python layers before the kernel, `custom_op`'s Autograd
-    kernel and its ADInplaceOrView kernel, whose `torch._library.utils.fill_defaults` rebuilds the schema's
-    argument list once per argument; about 0.2 ms per call measured at tiny shapes (docs/benchmarks.md).
+    kernel and its ADInplaceOrView kernel; on torch 2.13 the latter's `torch._library.utils.fill_defaults`
+    rebuilt the schema's argument list once per argument, about 0.2 ms per call measured at tiny shapes
+    (docs/benchmarks.md). Torch 2.14 dropped that `fill_defaults`; the lean kernel still saves the layer.
     When an input requires grad, `custom_op`'s own kernel runs (same behaviour as before). On a torch
     without these internals the registration is left as `custom_op` made it.
     """
@@ -354,7 +371,7 @@ def _lean_autograd(op_def) -> None:
         below = torch._C._after_ADInplaceOrView_keyset
         below_autograd = torch._C._AutoDispatchBelowAutograd
         lib = op_def._lib
-    except (ImportError, AttributeError):  # pragma: no cover - another torch version
+    except (ImportError, AttributeError):  # another torch version: tests/test_op_reference.py plants it
         return
     mutated = [i for i, a in enumerate(overload._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     bump = torch.autograd.graph.increment_version

@@ -1,10 +1,10 @@
-"""Differential fuzzer (issue 23): random operation sequences on both families, every forward compared with dense.
+"""Differential fuzzer: random operation sequences on both families, every forward compared with dense.
 
 A seeded generator draws operations against a small runtime of each family, one at a time, from what is live:
 admit (with and without shared cross-attention regions, salted or not, content-keyed or forged, from a spec that
 matches the model or not), fork, forwards alone or batched (several owners, forks or branches at one phase),
 DreamZero commits and denoising steps, HunyuanImage-3 prefills (padding in the middle, left or right; masks in every
-encoding `_fuzz_world.ENCODINGS` lists, the ones the runtime must refuse included), steps and re-prefills, resets,
+encoding `world.ENCODINGS` lists, the ones the runtime must refuse included), steps and re-prefills, resets,
 aborts, faults raised inside a block mid-forward and their retries, releases, reuse of finished ids (the finished-id
 memory is kept at `FINISHED_MEMORY` so reuse past it happens in short runs) and, on an FP8 pool, set_scales.
 
@@ -17,7 +17,7 @@ Two runtimes rather than one serving alternately: each path then has its own poo
 cannot be masked or repaired by the other, and the two must make the same decisions (their `state()` is compared
 after every operation, and a call one refuses the other must refuse).
 
-Each forward's outputs are compared with a dense eager twin per owner (`_fuzz_world.py`: its own dense caches, the
+Each forward's outputs are compared with a dense eager twin per owner (`fuzz/world.py`: its own dense caches, the
 reference model, fp32; FP8 twins round K/V with the scales in force when they were written) at 1e-5 (batched
 forwards: 1e-5 plus the batch-invariance bound, 1e-6). Every refusal (a `PagedKVError`) and every faulted forward
 must leave `runtime.state()`, the pool bytes of every block a live owner holds and the FP8 scales exactly as they
@@ -26,8 +26,8 @@ live owners are the twins, serials are unique; every metadata repeat key names o
 no forward of admitted owners waits for capacity (admission reserves what their forwards take: DreamZero's commits,
 a HunyuanImage-3 prefill after a reset).
 
-    python -m benchmarks.fuzz --steps 2000 [--seed 0] [--seeds 1] [--family all] [--pool all] [--shrink]
-    python -m benchmarks.fuzz --mutant 5 --family dreamzero --pool fp32 --seeds 10   # defect 5 put back
+    python -m fuzz --steps 2000 [--seed 0] [--seeds 1] [--family all] [--pool all] [--shrink]
+    python -m fuzz --mutant 5 --family dreamzero --pool fp32 --seeds 10   # defect 5 put back
 
 A failure prints the seed, the failing operation (its index) and the operation list (bisected to a shorter list
 that still fails with --shrink); `--replay FILE` runs a saved operation list.
@@ -49,12 +49,8 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks._fuzz_mutants import DESCRIPTIONS, mutant  # noqa: E402
-from benchmarks._fuzz_paths import (  # noqa: E402
+from fuzz.mutants import DESCRIPTIONS, mutant  # noqa: E402
+from fuzz.paths import (  # noqa: E402
     DZ_CFG,
     DZ_CONTENTS,
     FAMILIES,
@@ -70,7 +66,7 @@ from benchmarks._fuzz_paths import (  # noqa: E402
     harness,
     held_blocks,
 )
-from benchmarks._fuzz_world import (  # noqa: E402
+from fuzz.world import (  # noqa: E402
     ENCODINGS,
     STYLES,
     VALID_ENCODINGS,
@@ -469,7 +465,7 @@ class Fuzzer:
             any_enc = rng.choice(VALID_ENCODINGS if rng.random() < 0.9 else tuple(ENCODINGS))
             if kind == "prefill":
                 return [oid, kind, {"style": rng.choice(STYLES), "enc": any_enc}]
-            # A step's mask is read by the runtime once per prefill, when passed (README, known limits); otherwise
+            # A step's mask is read by the runtime once per prefill, when passed (docs/status.md, known limits); otherwise
             # the pipeline promises it follows the prefill's layout: only such a step may carry a refused encoding.
             give = rng.random() < 0.5
             twin = self.twins.get(oid)
@@ -777,7 +773,8 @@ def _summary(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="operations per family, pool dtype and seed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, default=1, help="run seeds seed .. seed+N-1")
@@ -787,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shrink", action="store_true", help="bisect a failing operation list before printing it")
     ap.add_argument("--replay", type=Path, help="a JSON file {family, fp8, ops[, mutant]} to run instead of drawing")
     ap.add_argument("--mutant", type=int, choices=range(1, 7), metavar="1..6",
-                    help="put issue 23's defect N back (benchmarks/_fuzz_mutants.py): report after how many "
+                    help="put defect N back (fuzz/mutants.py; docs/reliability.md): report after how many "
                          "operations each seed finds it")
     ap.add_argument("--no-key-check", action="store_true",
                     help="leave out the repeat-key invariant (only outputs and state count)")

@@ -1,9 +1,9 @@
-"""Issue 23's defects 1-6 put back, one at a time: the fix's hunk reversed in the function it lives in.
+"""Defects 1-6 of docs/reliability.md ("no silent wrong answer") put back, one at a time: the fix's hunk reversed in the function it lives in.
 
-docs/reliability.md (issue 23 section) names each fix and the hunk whose reversal puts the defect back. Where the
+That section names each fix and the hunk whose reversal puts the defect back. Where the
 hunk is a line, the mutant is that function's own source with the line edited back (`_edited`: it refuses to run
 when the line is no longer there, so a mutant cannot silently stop being the defect); where the fix rewrote a
-function, the mutant is the old function (layout's `_attends` at 20ebac8, the commit the issue reviewed).
+function, the mutant is the old function (layout's `_attends` at 20ebac8, the commit before the fix).
 
     with mutant(5):
         Fuzzer("dreamzero", seed).run(200)   # raises FuzzFailure("deadlock", ...)

@@ -1,4 +1,4 @@
-"""The fuzzer's runtimes and serving paths (`benchmarks/fuzz.py`): tiny models of both families compiled once per
+"""The fuzzer's runtimes and serving paths (`fuzz/differential.py`): tiny models of both families compiled once per
 process, the runtime each path serves from, how a path calls a block, and what a call may not change.
 
 Both paths' models hold the same weights (the binding ties a weight to one live runtime, so each path has its own
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._fuzz_world import DreamZeroOracle, HunyuanOracle
+from fuzz.world import DreamZeroOracle, HunyuanOracle
 from paged_kv_compile.backend import paged_kv_backend
 from paged_kv_compile.config import Bucket
 from paged_kv_compile.families.dreamzero import dreamzero_block_inputs, dreamzero_buckets, dreamzero_runtime_config
@@ -102,7 +102,7 @@ class Harness:
     dense: torch.nn.Module
     models: dict  # path name -> model whose blocks are FuzzBlocks
     backend: CountingBackend
-    oracle: Any = None  # the dense side (`_fuzz_world`), over `dense`
+    oracle: Any = None  # the dense side (`fuzz.world`), over `dense`
 
     @staticmethod
     def build(family: str, fp8: bool) -> "Harness":

@@ -251,7 +251,7 @@ def dense_request(model: HunyuanImage3Model, prompts: list[torch.Tensor], capaci
 
 #: Mask encodings: (name, what a masked entry holds, what an attended entry holds, whether the runtime must accept
 #: it). Additive masks are float32 (the model's dtype). "attend" is 0 (or -0.0); "masked" is any value at or below
-#: -8192 (README: -inf, every finfo.min, -1e4, -1e9; bf16's lowest value stored in fp32); anything else is a bias the
+#: -8192 (e.g. -inf, every finfo.min, -1e4, -1e9; bf16's lowest value stored in fp32); anything else is a bias the
 #: paged op cannot express, and must be refused.
 ENCODINGS = {
     "bool": (None, None, True),

@@ -1,0 +1,1 @@
+"""Differential fuzzers: test oracles, with a command for long runs."""
