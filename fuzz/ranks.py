@@ -14,7 +14,7 @@ kernel) on seeded Q/K/V: each rank computes its slice of the one-rank tensors (h
 After every operation, on every rank:
   * every rank succeeded or every rank raised (the others' error names the failing rank);
   * a forward's outputs equal the one-rank runtime's (its heads or its row) within 1e-5; that oracle is the
-    one-rank paged runtime, whose forwards the single-rank fuzzer (`benchmarks/fuzz.py`) compares with dense
+    one-rank paged runtime, whose forwards the single-rank fuzzer (`python -m fuzz`, `fuzz/differential.py`) compares with dense
     eager attention;
   * a refused call left the rank's `state()`, the pool bytes of every block a live owner holds and the FP8 scales
     exactly as they were; the scale guard reads the live allocator;
