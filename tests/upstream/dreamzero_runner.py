@@ -245,6 +245,22 @@ def serve(runner, requests) -> list:
     return outs
 
 
+def serve_batch(runner, requests) -> list:
+    """The requests the engine's scheduler hands a runner together (`max_num_seqs > 1`): one
+    `execute_model_batch` over them, inside the vLLM config the worker runs under; one `DiffusionOutput` per
+    request, errors included (an error is a response here, not an exception)."""
+    from vllm.config import set_current_vllm_config
+    from vllm_omni.diffusion.sched.interface import CachedRequestData, DiffusionSchedulerOutput, NewRequestData
+
+    scheduled = DiffusionSchedulerOutput(
+        step_id=0, scheduled_new_reqs=[NewRequestData(request_id=r.request_id, req=r) for r in requests],
+        scheduled_cached_reqs=CachedRequestData.make_empty(), finished_req_ids=set(),
+        num_running_reqs=len(requests), num_waiting_reqs=0)
+    with set_current_vllm_config(vllm_omni_cpu.vllm_config()):
+        out = runner.execute_model_batch(scheduled, runner.od_config)
+    return [out[r.request_id].result for r in requests]
+
+
 # ---- the dense oracle behind the same runner ----------------------------------------------------------------
 
 

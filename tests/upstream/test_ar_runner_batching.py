@@ -27,3 +27,66 @@ def test_two_sessions_in_one_model_call_each_equal_to_alone(omni):
     (row,) = dreamzero_batched_sessions((2,), repeats=1)
     assert row["model_calls_batched"] * 2 == row["model_calls_sequential"] == 16, "one call per branch and phase"
     assert row["max_abs_err_vs_alone"] <= 1e-5, row
+
+
+# ---- through the runner: execute_model_batch, sessions in lockstep ---------------------------------------------
+
+from paged_kv_compile.adapters.vllm_omni_ar_runner import RUNNER_PATH  # noqa: E402
+
+from . import dreamzero_runner as dr  # noqa: E402
+from .test_vs_vllm_omni_runner import OURS, TWO_SESSIONS  # noqa: E402
+
+CALLS = 3  # per session: its first request (a 1-frame commit), then two 2-frame chunks; each with its denoising
+
+
+def _batch_sizes(transformer) -> tuple[list[int], object]:
+    seen: list[int] = []
+    handle = transformer.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs["x"].shape[0]),
+                                               with_kwargs=True)
+    return seen, handle
+
+
+def test_two_sessions_batched_through_the_runner_each_equal_to_alone_third_refused(omni):
+    """vllm-omni's runner path for several requests (`execute_model_batch`, max_num_seqs=3) over a pool that holds
+    two sessions: per engine batch, sessions a and b run in lockstep (every model call carries both rows), each
+    output equal to that session served alone through the same runner; session c cannot be admitted (both
+    resident sessions are running) and is answered with an error while a and b proceed; afterwards the pool is
+    back at its baseline."""
+    od = dr.diffusion_config(runner_cls=RUNNER_PATH, model_config=dict(OURS), max_num_seqs=3)
+    geometry = dr.TinyGeometry()
+    with omni.model_context(od):
+        runner = dr.build_runner(dr.build_pipeline(geometry, od), od, available_bytes=TWO_SESSIONS)
+    assert runner._session_capacity == 2
+    allocator = runner.kv_cache.runtime.scheduler.allocator
+    baseline = allocator.num_free
+    inputs = {s: dr.request_inputs(geometry, CALLS, seed=10 + n) for n, s in enumerate("abc")}
+    sizes, handle = _batch_sizes(runner.pipeline.transformer)
+    with omni.model_context(od):
+        alone = {}
+        for s in "ab":
+            alone[s] = dr.serve(runner, [dr.make_request(f"alone-{s}{i}", f"alone-{s}", x, reset=i == 0)
+                                         for i, x in enumerate(inputs[s])])
+            runner.close_session(f"alone-{s}")
+        calls_alone = len(sizes)
+        assert set(sizes) == {1}
+        sizes.clear()
+        together = {"a": [], "b": []}
+        for i in range(CALLS):
+            outs = dr.serve_batch(runner, [dr.make_request(f"{s}{i}", s, inputs[s][i], reset=i == 0) for s in "abc"])
+            for s, out in zip("ab", outs):
+                assert out.error is None, out.error
+                together[s].append(out.output)
+            assert outs[2].error and "cannot be admitted" in outs[2].error, outs[2].error
+            assert "c" not in runner._sessions
+    handle.remove()
+    assert sizes == [2] * (calls_alone // 2), "every model call carried both sessions' rows, one call per step"
+    assert runner.batched_model_calls == len(sizes)
+    assert (alone["a"][-1]["actions"] - alone["b"][-1]["actions"]).abs().max() > 1e-3, "the sessions differ"
+    for s in "ab":
+        for got, want in zip(together[s], alone[s], strict=True):
+            for key in ("actions", "video"):
+                err = (got[key] - want[key]).abs().max().item()
+                assert err <= 1e-5, (s, key, err)
+    for s in "ab":
+        runner.close_session(s)
+    assert allocator.num_free == baseline and runner.kv_cache.runtime.owner_ids() == []
