@@ -90,3 +90,40 @@ def test_two_sessions_batched_through_the_runner_each_equal_to_alone_third_refus
     for s in "ab":
         runner.close_session(s)
     assert allocator.num_free == baseline and runner.kv_cache.runtime.owner_ids() == []
+
+
+def test_a_session_failing_in_a_batch_is_an_error_response_the_other_unaffected(omni):
+    """In one engine batch, session b's request carries state features of the wrong width: its model call cannot
+    share a's (another row shape), runs alone and raises; b gets an error response and is released fail-closed
+    (no session, no blocks), while a's output equals a served alone."""
+    od = dr.diffusion_config(runner_cls=RUNNER_PATH, model_config=dict(OURS), max_num_seqs=2)
+    geometry = dr.TinyGeometry()
+    with omni.model_context(od):
+        runner = dr.build_runner(dr.build_pipeline(geometry, od), od, available_bytes=TWO_SESSIONS)
+    allocator = runner.kv_cache.runtime.scheduler.allocator
+    baseline = allocator.num_free
+    good = dr.request_inputs(geometry, 1, seed=3)[0]
+    bad = {**dr.request_inputs(geometry, 1, seed=4)[0]}
+    bad["state_features"] = bad["state_features"][..., :-1]
+    with omni.model_context(od):
+        (want,) = dr.serve(runner, [dr.make_request("alone", "alone", good, reset=True)])
+        runner.close_session("alone")
+        out_a, out_b = dr.serve_batch(runner, [dr.make_request("a0", "a", good, reset=True),
+                                               dr.make_request("b0", "b", bad, reset=True)])
+    assert out_b.error and out_a.error is None, (out_a.error, out_b.error)
+    assert "b" not in runner._sessions and "a" in runner._sessions
+    for key in ("actions", "video"):
+        assert (out_a.output[key] - want[key]).abs().max().item() <= 1e-5
+    runner.close_session("a")
+    assert allocator.num_free == baseline and runner.kv_cache.runtime.owner_ids() == []
+
+
+def test_batching_with_cuda_graphs_is_refused_at_startup(omni):
+    """The captured graphs cover the warm-up requests' batch-1 shapes only: max_num_seqs > 1 with
+    cuda_graphs='block' is refused when the pools are built, naming both settings."""
+    from paged_kv_compile.errors import ConfigError
+
+    model_config = {"paged_kv": {**OURS["paged_kv"], "cuda_graphs": "block"}}
+    od = dr.diffusion_config(runner_cls=RUNNER_PATH, model_config=model_config, max_num_seqs=2)
+    with omni.model_context(od), pytest.raises(ConfigError, match="max_num_seqs=2"):
+        dr.build_runner(dr.build_pipeline(dr.TinyGeometry(), od), od, available_bytes=TWO_SESSIONS)
