@@ -12,6 +12,11 @@ fail-closed release of a session whose forward raised, `close_session`, output n
 session that cannot be admitted (every resident session runs in this batch, or the pool has no room) gets an
 error response and the others proceed; two requests of one session in one batch run in successive waves (a
 session's steps depend on each other). The runner's own sessions are never evicted while they run.
+
+The engine batches requests only for a pipeline class that declares `supports_request_batch`; DreamZero's does not
+(it runs one session per `forward`). `LockstepDreamZeroPipeline` (`PIPELINE_PATH`, selected by
+`custom_pipeline_args: {pipeline_class: ...}`) is DreamZero's pipeline unchanged, declaring it: with this runner
+its `forward` still sees one request, the batching is the runner's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,31 @@ import torch
 from ..errors import CapacityError
 from .vllm_omni_ar_diffusion import batch_signature
 from .vllm_omni_ar_lockstep import Lockstep, lockstep_pipeline
+
+
+PIPELINE_PATH = "paged_kv_compile.adapters.vllm_omni_ar_batch.LockstepDreamZeroPipeline"
+
+
+def _lockstep_dreamzero_pipeline() -> type:
+    from vllm_omni.diffusion.models.dreamzero.pipeline_dreamzero import DreamZeroPipeline
+
+    class LockstepDreamZeroPipeline(DreamZeroPipeline):
+        """`DreamZeroPipeline`, unchanged, declaring request batches so that vllm-omni's engine hands the runner
+        several sessions' requests (`execute_model_batch`); `PagedKVARDiffusionModelRunner` serves them in
+        lockstep, each `forward` still seeing one request. vllm-omni's own AR runner refuses this class."""
+
+        supports_request_batch = True
+
+    LockstepDreamZeroPipeline.__module__ = __name__
+    return LockstepDreamZeroPipeline
+
+
+def __getattr__(name: str):
+    if name == "LockstepDreamZeroPipeline":  # resolved by qualname, as the engine resolves pipeline classes
+        cls = _lockstep_dreamzero_pipeline()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
 
 
 def serve_batch(runner, reqs: list, od_config) -> Any:

@@ -1,10 +1,11 @@
-"""Several DreamZero sessions in one model call on our runtime: the call a batched AR runner would make.
+"""Several DreamZero sessions in one forward, through vllm-omni's runner and below it.
 
-Not through the runner: vllm-omni's DreamZero pipeline runs one session per forward and its model refuses batch > 1
-on its paged path (docs/vs_vllm_omni.md, "Several sessions in one forward"). What is checked here is the part of
-that path below the pipeline: vllm-omni's `CausalWanModel`, handed our stand-ins as a batch of two sessions (one
-`runtime.forward_batch` per CFG branch and phase), gives each session what it gives that session alone, through
-a 1-frame commit, a denoise, a 2-frame commit and a denoise (`benchmarks.vs_vllm_omni.dreamzero_batched_sessions`).
+Through the runner (`execute_model_batch`, `max_num_seqs > 1`): the engine's batch of several sessions' requests
+runs their pipeline loops in lockstep, one batched model call per step (`adapters/vllm_omni_ar_batch.py`); each
+session's output equals its output served alone, a session that cannot be admitted or that fails is an error
+response while the others proceed. Below it: vllm-omni's `CausalWanModel`, handed our stand-ins as a batch of two
+sessions (one `runtime.forward_batch` per CFG branch and phase), gives each session what it gives that session
+alone (`benchmarks.vs_vllm_omni.dreamzero_batched_sessions`).
 """
 
 from __future__ import annotations
@@ -127,3 +128,22 @@ def test_batching_with_cuda_graphs_is_refused_at_startup(omni):
     od = dr.diffusion_config(runner_cls=RUNNER_PATH, model_config=model_config, max_num_seqs=2)
     with omni.model_context(od), pytest.raises(ConfigError, match="max_num_seqs=2"):
         dr.build_runner(dr.build_pipeline(dr.TinyGeometry(), od), od, available_bytes=TWO_SESSIONS)
+
+
+def test_the_engine_batches_requests_for_the_lockstep_pipeline_class(omni):
+    """vllm-omni's engine decides request batching from the pipeline class (`supports_request_batch`): DreamZero's
+    own class gets max_num_seqs > 1 refused, `LockstepDreamZeroPipeline` chosen by `custom_pipeline_args` gets
+    request batches (then `execute_model_batch` on the runner)."""
+    from vllm_omni.diffusion.diffusion_engine import supports_request_batch
+    from vllm_omni.diffusion.models.dreamzero.pipeline_dreamzero import DreamZeroPipeline
+
+    from paged_kv_compile.adapters.vllm_omni_ar_batch import PIPELINE_PATH
+
+    def config(pipeline_class: str):
+        return dr.diffusion_config(runner_cls=RUNNER_PATH, max_num_seqs=2,
+                                   custom_pipeline_args={"pipeline_class": pipeline_class})
+
+    plain = config(f"{DreamZeroPipeline.__module__}.DreamZeroPipeline")
+    ours = config(PIPELINE_PATH)
+    assert not supports_request_batch(plain)
+    assert supports_request_batch(ours)
