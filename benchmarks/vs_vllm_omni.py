@@ -268,9 +268,9 @@ def dreamzero_batched_sessions(ks: tuple[int, ...] = (1, 2, 4), *, calls: int = 
     """K sessions of vllm-omni's `CausalWanModel` in lockstep: each model call carries the K sessions' rows of one
     CFG branch (batch K, `runtime.forward_batch`), against the same K sessions run one after another (batch 1).
 
-    NOT through the runner: DreamZero's pipeline runs one session per forward and its model refuses batch > 1 on
-    the paged path (docs/vs_vllm_omni.md, "Several sessions in one forward"). The model gets the stand-ins
-    directly (its unflagged cache path), which is what a batched pipeline would hand it. Parity: every batched
+    Below the pipeline: the model call alone (through the runner, pipeline loops included:
+    `dreamzero_runner_batched_sessions`). The model gets the stand-ins directly (its unflagged cache path), as the
+    runner's batched step hands them (`DreamZeroPagedKV.run_batched`). Parity: every batched
     session's outputs against the same session run alone. Eager mode, `aot_eager` inside, fp32. `calls` pipeline
     calls per session (2: a 1-frame commit, a denoise, a 2-frame commit, a denoise; the window resets after
     that at the tiny geometry), one denoising step each, both CFG branches."""
@@ -634,9 +634,10 @@ CAPABILITIES = [
     {"capability": "several sessions in one forward",
      "vllm-omni": "no: max_num_seqs=1 and request batches refused (runner.py:108-119, 336-344); the model "
                   "requires batch 1 on the paged path (causal_wan_model.py:1010-1011)",
-     "paged_kv": "yes: runtime.forward_batch (tests/test_batched.py); not through the runner: vllm-omni can hand "
-                 "it several requests (execute_model_batch), but DreamZero's pipeline runs one session per forward "
-                 "and its model refuses batch > 1 on the paged path (docs/vs_vllm_omni.md: the upstream change)"},
+     "paged_kv": "yes through the runner: max_num_seqs > 1 with LockstepDreamZeroPipeline; execute_model_batch "
+                 "runs the sessions' pipeline loops in lockstep, one runtime.forward_batch per model call, each "
+                 "session within 1e-5 of alone; a session that cannot be admitted is an error response "
+                 "(tests/upstream/test_ar_runner_batching.py); not with cuda_graphs"},
     {"capability": "FP8 KV pool",
      "vllm-omni": "no: pool dtype is od_config.dtype (runner.py:141); the op casts K/V to it with no scale "
                   "(kv_cache/paged_attention.py:683-684)",
@@ -696,7 +697,7 @@ def print_report(result: dict) -> None:
         ("column", "column"), ("mode", "mode"), ("startup s", "startup_s"), ("1st req s", "first_request_s"),
         ("steady req s", "steady_request_s"), ("replays", "replays")]))
     print("\nDreamZero: K sessions in lockstep, one batched model call per CFG branch (runtime.forward_batch), vs the "
-          "K sessions one after another; NOT through the runner (see docs/vs_vllm_omni.md)")
+          "K sessions one after another; the model call alone, below the pipeline")
     print(format_table(result["dreamzero_batched_sessions"], [
         ("K", "sessions"), ("model calls seq", "model_calls_sequential"), ("model calls batched", "model_calls_batched"),
         ("sequential s", "sequential_s"), ("batched s", "batched_s"), ("seq / batched", "sequential_over_batched"),

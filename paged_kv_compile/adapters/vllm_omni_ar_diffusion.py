@@ -136,7 +136,8 @@ class DreamZeroPagedKV:
             num_layers=ar_spec.num_layers, num_kv_heads=ar_spec.num_kv_heads, head_dim=ar_spec.head_size,
             block_size=block_size, blocks_per_layer=1, max_rows=max(rows, sessions_per_forward),
             scratch_tokens_per_row=spec.tokens_per_forward,
-            buckets=tuple(b for k in range(1, sessions_per_forward + 1) for b in spec.buckets(rows=k)), dtype=dtype, device=str(device), kernel=kernel,
+            buckets=tuple(b for k in range(1, sessions_per_forward + 1) for b in spec.buckets(rows=k)), dtype=dtype,
+            device=str(device), kernel=kernel,
             inner_compiler=inner_compiler, kv_dtype=kv_dtype,
         )
         budget = plan_budget(ar_spec, spec, base, available_bytes=available_bytes, memory_fraction=memory_fraction,

@@ -7,6 +7,10 @@
                                         "cuda_graphs": "none", "kv_dtype": None, "kv_scales": None}},
     )
 
+Several sessions per forward: `max_num_seqs > 1` with `custom_pipeline_args={"pipeline_class":
+vllm_omni_ar_batch.PIPELINE_PATH}` (so that the engine batches requests); `execute_model_batch` then serves the
+engine's batch in lockstep, one batched model call per step (`vllm_omni_ar_batch`; not with `cuda_graphs`).
+
 Options (`model_config["paged_kv"]`, every key optional): `kernel`, `inner_compiler` and `block_size` as in
 `PagedKVConfig`; `cuda_graphs` "none" (compiled blocks, host-launched) or "block" (warm up on the pipeline's
 warm-up requests and capture one graph per block and shape before the first request is accepted, then serve by
@@ -28,7 +32,8 @@ with vllm-omni's budget rule instead of building `ARDiffusionKVCache`, binds it 
 compiles them with `backend="paged_kv"` at the settings of DreamZero's `setup_compile` (`fullgraph=True,
 dynamic=False`, replacing its Inductor compile of the same blocks); `_new_session_state` hands the pipeline our
 session state; `_bound_ar_session` closes the last forward of an invocation; `execute_model` marks
-`current_start_frame` a value for dynamo (one compiled frame per bucket at every start frame).
+`current_start_frame` a value for dynamo (one compiled frame per bucket at every start frame);
+`execute_model_batch`, which the base runner refuses, serves several sessions per forward.
 """
 
 from __future__ import annotations
