@@ -89,7 +89,12 @@ class Lockstep:
             waiting = sorted(parked)
             groups: dict[Hashable, list[int]] = {}
             for index in waiting:
-                groups.setdefault(self._signature(parked[index]), []).append(index)
+                try:
+                    key = self._signature(parked[index])
+                except Exception as exc:  # noqa: BLE001 - a call that cannot be batched fails alone
+                    self._answers[index] = (False, exc)
+                    continue
+                groups.setdefault(key, []).append(index)
             for members in groups.values():
                 self._answer(members, parked)
         for thread in threads:

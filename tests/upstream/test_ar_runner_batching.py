@@ -147,3 +147,53 @@ def test_the_engine_batches_requests_for_the_lockstep_pipeline_class(omni):
     ours = config(PIPELINE_PATH)
     assert not supports_request_batch(plain)
     assert supports_request_batch(ours)
+
+
+def test_sessions_at_different_start_frames_in_one_batch_each_equal_to_alone(omni):
+    """Session a sends its second request (a 2-frame chunk at start frame 1) in the same engine batch as session
+    b's first (a 1-frame commit at start frame 0): their model calls differ in start frame and length, so each
+    step runs them as separate calls (batch 1 each), and each output equals that session's alone."""
+    od = dr.diffusion_config(runner_cls=RUNNER_PATH, model_config=dict(OURS), max_num_seqs=2)
+    geometry = dr.TinyGeometry()
+    with omni.model_context(od):
+        runner = dr.build_runner(dr.build_pipeline(geometry, od), od, available_bytes=TWO_SESSIONS)
+    inputs = {s: dr.request_inputs(geometry, 2, seed=30 + n) for n, s in enumerate("ab")}
+    with omni.model_context(od):
+        alone = {s: dr.serve(runner, [dr.make_request(f"alone-{s}{i}", f"alone-{s}", x, reset=i == 0)
+                                      for i, x in enumerate(inputs[s])]) for s in "ab"}
+        for s in "ab":
+            runner.close_session(f"alone-{s}")
+        (first_a,) = dr.serve(runner, [dr.make_request("a0", "a", inputs["a"][0], reset=True)])
+        sizes, handle = _batch_sizes(runner.pipeline.transformer)
+        out_a, out_b = dr.serve_batch(runner, [dr.make_request("a1", "a", inputs["a"][1]),
+                                               dr.make_request("b0", "b", inputs["b"][0], reset=True)])
+        handle.remove()
+    assert out_a.error is None and out_b.error is None, (out_a.error, out_b.error)
+    assert sizes and set(sizes) == {1}, sizes
+    for got, want in ((first_a, alone["a"][0]), (out_a.output, alone["a"][1]), (out_b.output, alone["b"][0])):
+        for key in ("actions", "video"):
+            assert (got[key] - want[key]).abs().max().item() <= 1e-5
+
+
+def test_lockstep_batches_calls_of_one_signature_and_fails_a_bad_call_alone():
+    """The lockstep driver alone: per step, the parked calls of one signature are one batched call in body order;
+    a call whose signature cannot be computed fails that body only; bodies of different lengths all finish."""
+    from paged_kv_compile.adapters.vllm_omni_ar_lockstep import Lockstep
+
+    batches = []
+
+    def batched(calls):
+        batches.append(list(calls))
+        return [10 * c for c in calls]
+
+    def signature(call):
+        if call < 0:
+            raise ValueError("no signature")
+        return call % 2
+
+    lock = Lockstep(batched, signature)
+    results = lock.run([lambda: [lock.call(v) for v in (1, 3)], lambda: [lock.call(v) for v in (5, -1, 7)],
+                        lambda: [lock.call(2)]])
+    assert results[0] == (True, [10, 30]) and results[2] == (True, [20])
+    assert results[1][0] is False and isinstance(results[1][1], ValueError)
+    assert batches == [[1, 5], [2], [3]] and lock.batched_calls == 3
