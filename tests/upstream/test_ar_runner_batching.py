@@ -48,8 +48,8 @@ def _batch_sizes(transformer) -> tuple[list[int], object]:
 
 
 def test_two_sessions_batched_through_the_runner_each_equal_to_alone_third_refused(omni):
-    """vllm-omni's runner path for several requests (`execute_model_batch`, max_num_seqs=3) over a pool that holds
-    two sessions: per engine batch, sessions a and b run in lockstep (every model call carries both rows), each
+    """vllm-omni's path for several requests (its `RequestScheduler` schedules one wave, the runner's
+    `execute_model_batch` serves it; max_num_seqs=3) over a pool that holds two sessions: per engine batch, sessions a and b run in lockstep (every model call carries both rows), each
     output equal to that session served alone through the same runner; session c cannot be admitted (both
     resident sessions are running) and is answered with an error while a and b proceed; afterwards the pool is
     back at its baseline."""
