@@ -183,7 +183,14 @@ class DreamZeroPagedKV:
         ] if first.get("crossattn_cache") else None
         items = [(f.state._live_owner(), "commit" if f.commit_current else "denoise",
                   {"branch": self.row_of(f.kv_branch)}) for f in forwards]
-        with self.runtime.forward_batch(items):
+        registers = 0 if stacked["action"] is None else stacked["action"].shape[1] + stacked["state_features"].shape[1]
+        with self.runtime.forward_batch(items) as active:
+            if active.plan.tokens != first["seq_len"] + registers:
+                raise RequestError(
+                    f"the runtime planned {active.plan.tokens} tokens for this batched {active.plan.kind} forward of "
+                    f"branch {forwards[0].kv_branch!r} but the model runs {first['seq_len'] + registers}: the "
+                    "sessions' windows and the pipeline disagree (a commit outside the window, or a missed reset)"
+                )
             video, action, _ = transformer(
                 x=stacked["hidden_states"], timestep=stacked["timestep_video"],
                 context=stacked["encoder_hidden_states"], seq_len=first["seq_len"],
