@@ -63,13 +63,21 @@ class Lockstep:
     def run(self, bodies: Sequence[Callable[[], Any]]) -> list[tuple[bool, Any]]:
         results: list[tuple[bool, Any] | None] = [None] * len(bodies)
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+        # Grad mode, the current CUDA device and stream are per thread: the bodies run under the caller's.
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
 
         def thread_main(index: int) -> None:
             self._local.index = index
             with self._cv:
                 self._cv.wait_for(lambda: self._turn == index)
             try:
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                with contextlib.ExitStack() as settings:
+                    settings.enter_context(torch.inference_mode(inference))
+                    settings.enter_context(torch.set_grad_enabled(grad))
+                    if cuda:
+                        settings.enter_context(torch.cuda.device(device))
+                        settings.enter_context(torch.cuda.stream(stream))
                     results[index] = (True, bodies[index]())
             except BaseException as exc:  # noqa: BLE001 - handed back to the runner as this session's error
                 results[index] = (False, exc)
