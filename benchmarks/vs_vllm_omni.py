@@ -678,7 +678,8 @@ def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1, dreamze
     return {
         "benchmark": "vs_vllm_omni", "machine": machine_info(threads=threads, repeats=repeats),
         "dreamzero": dz, "dreamzero_batched_sessions": batched,
-        "dreamzero_runner_batched_sessions": through_runner, "dreamzero_frames_by_window": windows, "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
+        "dreamzero_runner_batched_sessions": through_runner, "dreamzero_frames_by_window": windows,
+        "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
         "hunyuan": hy, "hunyuan_diffusion_kv_probe": probe, "hunyuan_memory_80b": hunyuan_memory(),
         "capabilities": CAPABILITIES,
     }
