@@ -268,9 +268,9 @@ def dreamzero_batched_sessions(ks: tuple[int, ...] = (1, 2, 4), *, calls: int = 
     """K sessions of vllm-omni's `CausalWanModel` in lockstep: each model call carries the K sessions' rows of one
     CFG branch (batch K, `runtime.forward_batch`), against the same K sessions run one after another (batch 1).
 
-    NOT through the runner: DreamZero's pipeline runs one session per forward and its model refuses batch > 1 on
-    the paged path (docs/vs_vllm_omni.md, "Several sessions in one forward"). The model gets the stand-ins
-    directly (its unflagged cache path), which is what a batched pipeline would hand it. Parity: every batched
+    Below the pipeline: the model call alone (through the runner, pipeline loops included:
+    `dreamzero_runner_batched_sessions`). The model gets the stand-ins directly (its unflagged cache path), as the
+    runner's batched step hands them (`DreamZeroPagedKV.run_batched`). Parity: every batched
     session's outputs against the same session run alone. Eager mode, `aot_eager` inside, fp32. `calls` pipeline
     calls per session (2: a 1-frame commit, a denoise, a 2-frame commit, a denoise; the window resets after
     that at the tiny geometry), one denoising step each, both CFG branches."""
@@ -400,6 +400,65 @@ def dreamzero_batched_sessions(ks: tuple[int, ...] = (1, 2, 4), *, calls: int = 
                          "max_abs_err_vs_alone": err})
         assert runtime.owner_ids() == []
         runtime.close()
+    return rows
+
+
+def dreamzero_runner_batched_sessions(ks: tuple[int, ...] = (1, 2, 4), *, calls: int = 2, repeats: int = 3,
+                                      threads: int = 1) -> list[dict]:
+    """K sessions THROUGH the runner: the engine's batch of K requests (one per session, `execute_model_batch`,
+    `max_num_seqs = max(ks)`), served in lockstep with one batched model call per step, against the same K
+    sessions' requests served one after another (`execute_model`), on the same runner. `calls` requests per
+    session (the first a 1-frame commit, then 2-frame chunks), the tiny geometry's two denoising steps, both CFG
+    branches, eager mode, `aot_eager` inside, fp32. Parity: every batched session's outputs against the same
+    session served alone; median of `repeats` passes after one that compiles."""
+    omni, dr, _, _ = _harness()
+    from paged_kv_compile.adapters.vllm_omni_ar_runner import RUNNER_PATH
+
+    geometry = dr.TinyGeometry()
+    kmax = max(ks)
+    od = dr.diffusion_config(runner_cls=RUNNER_PATH, max_num_seqs=kmax,
+                             model_config={"paged_kv": {"inner_compiler": "aot_eager", "kernel": "reference"}})
+    rows = []
+    with bench_settings(threads=threads), omni.model_context(od):
+        _fresh_dynamo()
+        runner = dr.build_runner(dr.build_pipeline(geometry, od), od, available_bytes=(7 * kmax) << 30)
+        if runner._session_capacity < kmax:
+            raise RuntimeError(f"the runner holds {runner._session_capacity} sessions, fewer than K={kmax}")
+        calls_made = [0]
+        runner.pipeline.transformer.register_forward_hook(lambda *_: calls_made.__setitem__(0, calls_made[0] + 1))
+        inputs = [dr.request_inputs(geometry, calls, seed=20 + n) for n in range(kmax)]
+        serial = 0
+        for k in ks:
+            t_seq, t_batch = [], []
+            for r in range(repeats + 1):  # pass 0 compiles
+                tag = f"p{serial}"
+                serial += 1
+                calls_made[0] = 0
+                t0 = time.perf_counter()
+                alone = [dr.serve(runner, [dr.make_request(f"{tag}s{n}-{i}", f"{tag}s{n}", x, reset=i == 0)
+                                           for i, x in enumerate(inputs[n])]) for n in range(k)]
+                t1 = time.perf_counter()
+                sequential_calls, calls_made[0] = calls_made[0], 0
+                together = [[] for _ in range(k)]
+                for i in range(calls):
+                    outs = dr.serve_batch(runner, [dr.make_request(f"{tag}b{n}-{i}", f"{tag}b{n}", inputs[n][i],
+                                                                   reset=i == 0) for n in range(k)])
+                    for n, out in enumerate(outs):
+                        if out.error:
+                            raise RuntimeError(f"batched session {n} failed: {out.error}")
+                        together[n].append(out.output)
+                t2 = time.perf_counter()
+                for n in range(k):
+                    runner.close_session(f"{tag}s{n}")
+                    runner.close_session(f"{tag}b{n}")
+                if r:
+                    t_seq.append(t1 - t0)
+                    t_batch.append(t2 - t1)
+            rows.append({"sessions": k, "model_calls_sequential": sequential_calls, "model_calls_batched": calls_made[0],
+                         "sequential_s": _median(t_seq), "batched_s": _median(t_batch),
+                         "sequential_over_batched": round(statistics.median(t_seq) / statistics.median(t_batch), 2),
+                         "max_abs_err_vs_alone": max(_max_err(together[n], alone[n]) for n in range(k))})
+        assert runner.kv_cache.runtime.owner_ids() == []
     return rows
 
 
@@ -575,9 +634,10 @@ CAPABILITIES = [
     {"capability": "several sessions in one forward",
      "vllm-omni": "no: max_num_seqs=1 and request batches refused (runner.py:108-119, 336-344); the model "
                   "requires batch 1 on the paged path (causal_wan_model.py:1010-1011)",
-     "paged_kv": "yes: runtime.forward_batch (tests/test_batched.py); not through the runner: vllm-omni can hand "
-                 "it several requests (execute_model_batch), but DreamZero's pipeline runs one session per forward "
-                 "and its model refuses batch > 1 on the paged path (docs/vs_vllm_omni.md: the upstream change)"},
+     "paged_kv": "yes through the runner: max_num_seqs > 1 with LockstepDreamZeroPipeline; execute_model_batch "
+                 "runs the sessions' pipeline loops in lockstep, one runtime.forward_batch per model call, each "
+                 "session within 1e-5 of alone; a session that cannot be admitted is an error response "
+                 "(tests/upstream/test_ar_runner_batching.py); not with cuda_graphs"},
     {"capability": "FP8 KV pool",
      "vllm-omni": "no: pool dtype is od_config.dtype (runner.py:141); the op casts K/V to it with no scale "
                   "(kv_cache/paged_attention.py:683-684)",
@@ -672,12 +732,15 @@ def lingbot_rows(*, repeats: int, threads: int) -> list[dict]:
 def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1, dreamzero_only: bool = False) -> dict:
     dz = dreamzero_rows(compile_too=compile_too, repeats=repeats, threads=threads)
     batched = dreamzero_batched_sessions(repeats=repeats, threads=threads)
+    through_runner = dreamzero_runner_batched_sessions(repeats=repeats, threads=threads)
     windows = frames_by_window() if compile_too and not dreamzero_only else []
     hy, probe = ([], None) if dreamzero_only else hunyuan_rows(repeats=repeats, threads=threads)
     lingbot = [] if dreamzero_only else lingbot_rows(repeats=repeats, threads=threads)
     return {
         "benchmark": "vs_vllm_omni", "machine": machine_info(threads=threads, repeats=repeats),
-        "dreamzero": dz, "dreamzero_batched_sessions": batched, "dreamzero_frames_by_window": windows, "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
+        "dreamzero": dz, "dreamzero_batched_sessions": batched,
+        "dreamzero_runner_batched_sessions": through_runner, "dreamzero_frames_by_window": windows,
+        "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
         "hunyuan": hy, "hunyuan_diffusion_kv_probe": probe, "hunyuan_memory_80b": hunyuan_memory(),
         "capabilities": CAPABILITIES, "lingbot_world": lingbot,
     }
@@ -696,8 +759,14 @@ def print_report(result: dict) -> None:
         ("column", "column"), ("mode", "mode"), ("startup s", "startup_s"), ("1st req s", "first_request_s"),
         ("steady req s", "steady_request_s"), ("replays", "replays")]))
     print("\nDreamZero: K sessions in lockstep, one batched model call per CFG branch (runtime.forward_batch), vs the "
-          "K sessions one after another; NOT through the runner (see docs/vs_vllm_omni.md)")
+          "K sessions one after another; the model call alone, below the pipeline")
     print(format_table(result["dreamzero_batched_sessions"], [
+        ("K", "sessions"), ("model calls seq", "model_calls_sequential"), ("model calls batched", "model_calls_batched"),
+        ("sequential s", "sequential_s"), ("batched s", "batched_s"), ("seq / batched", "sequential_over_batched"),
+        ("max |batched - alone|", "max_abs_err_vs_alone")]))
+    print("\nDreamZero THROUGH the runner: the engine's batch of K sessions' requests (execute_model_batch, "
+          "lockstep, one batched model call per step) vs the same K sessions served one request at a time")
+    print(format_table(result["dreamzero_runner_batched_sessions"], [
         ("K", "sessions"), ("model calls seq", "model_calls_sequential"), ("model calls batched", "model_calls_batched"),
         ("sequential s", "sequential_s"), ("batched s", "batched_s"), ("seq / batched", "sequential_over_batched"),
         ("max |batched - alone|", "max_abs_err_vs_alone")]))

@@ -6,4 +6,6 @@
 `vllm_omni_ar_runner`: vllm-omni's `ARDiffusionModelRunner` over that state, chosen by `diffusion_model_runner_cls`
 (imports vllm-omni; docs/vs_vllm_omni.md).
 `vllm_omni_ar_capture`: that runner's graph capture at startup (`cuda_graphs: block`; no vllm import).
+`vllm_omni_ar_batch`: that runner's `execute_model_batch` (several sessions per forward, `max_num_seqs > 1`);
+`vllm_omni_ar_lockstep`: the pipeline loops it runs in lockstep, model calls batched (no vllm import).
 """

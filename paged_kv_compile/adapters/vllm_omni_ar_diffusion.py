@@ -102,20 +102,23 @@ class DreamZeroPagedKV:
         self.manager.block_pool = _BlockPoolView(runtime)
         self._owner_ids = itertools.count()
         self.standin = runtime.standin(2, 1, spec.window_tokens, ar_spec.num_kv_heads, ar_spec.head_size)
+        self._batch_standins = {1: self.standin}
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
     def build(cls, transformer, ar_spec, *, available_bytes: int, memory_fraction: float, dtype: torch.dtype,
               device: str | torch.device = "cpu", block_size: int | None = None, kernel: str = "auto",
               inner_compiler: str = "inductor", kv_dtype: torch.dtype | None = None,
-              kv_scales: dict | None = None) -> "DreamZeroPagedKV":
+              kv_scales: dict | None = None, sessions_per_forward: int = 1) -> "DreamZeroPagedKV":
         """Size the pool as vllm-omni sizes its own (`ARDiffusionKVCache.__init__`): the budget is
         `available_bytes * memory_fraction`, raised to one session if that fits the device, and every resident
         session needs its whole window in every local branch, its cross-attention K/V and the model state the
         pipeline declares; the session count is capped by the spec's `session_capacity`.
 
         An FP8 `kv_dtype` halves the blocks' bytes (more sessions in the same budget); `kv_scales` {"k", "v"}
-        sets its static scales (1.0 by default). A kernel that cannot read the pool is refused here, naming why."""
+        sets its static scales (1.0 by default). `sessions_per_forward` > 1 sizes the scratch and the shape buckets
+        for forwards that carry that many sessions' rows of one branch (`run_batched`). A kernel that cannot read
+        the pool is refused here, naming why."""
         spec = dreamzero_spec(transformer)
         if ar_spec.tokens_per_frame != spec.frame_seqlen or ar_spec.num_layers != len(transformer.blocks):
             raise ConfigError(
@@ -127,13 +130,18 @@ class DreamZeroPagedKV:
         if spec.frame_seqlen % block_size:
             raise ConfigError(f"block_size={block_size} must divide the frame ({spec.frame_seqlen} tokens)")
         rows = max(b.local_index for b in ar_spec.kv_branches) + 1
+        if sessions_per_forward < 1:
+            raise ConfigError(f"sessions_per_forward must be >= 1, got {sessions_per_forward}")
         base = PagedKVConfig(
             num_layers=ar_spec.num_layers, num_kv_heads=ar_spec.num_kv_heads, head_dim=ar_spec.head_size,
-            block_size=block_size, blocks_per_layer=1, max_rows=rows, scratch_tokens_per_row=spec.tokens_per_forward,
-            buckets=spec.buckets(rows=1), dtype=dtype, device=str(device), kernel=kernel,
+            block_size=block_size, blocks_per_layer=1, max_rows=max(rows, sessions_per_forward),
+            scratch_tokens_per_row=spec.tokens_per_forward,
+            buckets=tuple(b for k in range(1, sessions_per_forward + 1) for b in spec.buckets(rows=k)), dtype=dtype,
+            device=str(device), kernel=kernel,
             inner_compiler=inner_compiler, kv_dtype=kv_dtype,
         )
-        budget = plan_budget(ar_spec, spec, base, available_bytes=available_bytes, memory_fraction=memory_fraction)
+        budget = plan_budget(ar_spec, spec, base, available_bytes=available_bytes, memory_fraction=memory_fraction,
+                             rows=rows)
         runtime = PagedKVRuntime(dataclasses.replace(base, blocks_per_layer=budget.blocks_per_layer))
         _check_kernel(runtime, kernel, ar_spec)
         if kv_scales is not None:
@@ -152,6 +160,47 @@ class DreamZeroPagedKV:
             raise RequestError(
                 f"unknown KV branch {kv_branch!r}; this pipeline declares {tuple(self.branch_rows)}"
             ) from None
+
+    # ---- several sessions' rows in one model call ---------------------------------------------------
+    def run_batched(self, transformer, calls: Sequence[dict]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One model call for the parked `_predict_noise_eager` calls of several sessions (same signature:
+        `batch_signature`): rows stacked in call order, one `runtime.forward_batch` over their owners (a failure
+        rolls every owner back), each call's (video, action) rows back. The model gets batch-K stand-ins, not the
+        flagged per-session contexts, so it takes its dense cache branch, which the compiled blocks rewrite."""
+        forwards = [_branch_forward_of(c) for c in calls]
+        for forward in forwards:
+            forward.state._start_batched(forward)
+        k = len(calls)
+        if k not in self._batch_standins:
+            self._batch_standins[k] = self.runtime.standin(2, k, self.spec.window_tokens, self.ar_spec.num_kv_heads,
+                                                           self.ar_spec.head_size)
+        first = calls[0]
+        stacked = {name: _stack([c.get(name) for c in calls], name) for name in _BATCHED_TENSORS}
+        cross = [
+            {key: (True if key == "is_init" else torch.cat([c["crossattn_cache"][layer][key] for c in calls]))
+             for key in first["crossattn_cache"][layer]}
+            for layer in range(len(first["crossattn_cache"]))
+        ] if first.get("crossattn_cache") else None
+        items = [(f.state._live_owner(), "commit" if f.commit_current else "denoise",
+                  {"branch": self.row_of(f.kv_branch)}) for f in forwards]
+        registers = 0 if stacked["action"] is None else stacked["action"].shape[1] + stacked["state_features"].shape[1]
+        with self.runtime.forward_batch(items) as active:
+            if active.plan.tokens != first["seq_len"] + registers:
+                raise RequestError(
+                    f"the runtime planned {active.plan.tokens} tokens for this batched {active.plan.kind} forward of "
+                    f"branch {forwards[0].kv_branch!r} but the model runs {first['seq_len'] + registers}: the "
+                    "sessions' windows and the pipeline disagree (a commit outside the window, or a missed reset)"
+                )
+            video, action, _ = transformer(
+                x=stacked["hidden_states"], timestep=stacked["timestep_video"],
+                context=stacked["encoder_hidden_states"], seq_len=first["seq_len"],
+                kv_cache=[self._batch_standins[k]] * len(transformer.blocks), crossattn_cache=cross,
+                current_start_frame=first["current_start_frame"], y=stacked["y"],
+                clip_feature=stacked["clip_feature"], action=stacked["action"],
+                timestep_action=stacked["timestep_action"], state=stacked["state_features"],
+                embodiment_id=stacked["embodiment_id"],
+            )
+        return [(video[i:i + 1], None if action is None else action[i:i + 1]) for i in range(k)]
 
     # The runtime calls of this adapter, in one place.
     def _admit(self, session_id: str) -> str:
@@ -194,11 +243,12 @@ def _set_scales(runtime: PagedKVRuntime, kv_scales: dict) -> None:
 
 
 def plan_budget(ar_spec, spec: DreamZeroSpec, cfg: PagedKVConfig, *, available_bytes: int,
-                memory_fraction: float) -> KVBudget:
-    """How many sessions of this pipeline our pool holds in vllm-omni's budget (see `DreamZeroPagedKV.build`)."""
+                memory_fraction: float, rows: int | None = None) -> KVBudget:
+    """How many sessions of this pipeline our pool holds in vllm-omni's budget (see `DreamZeroPagedKV.build`);
+    `rows` is a session's rows (its local CFG branches; `cfg.max_rows` when None), the scratch is per forward row."""
     if not 0.0 < memory_fraction <= 1.0:
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {memory_fraction}")
-    rows = cfg.max_rows
+    rows = cfg.max_rows if rows is None else rows
     per_block = KVPool.bytes_per_block_all_layers(cfg)
     blocks_per_session = rows * session_blocks_per_row(spec, cfg.block_size)
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
@@ -208,7 +258,7 @@ def plan_budget(ar_spec, spec: DreamZeroSpec, cfg: PagedKVConfig, *, available_b
         for name, length in ar_spec.cross_attention_lengths.items()
     )
     model_state = int(ar_spec.model_owned_state_bytes_per_session)
-    fixed = (rows * cfg.scratch_blocks_per_row + 1) * per_block
+    fixed = (cfg.max_rows * cfg.scratch_blocks_per_row + 1) * per_block
 
     def need(sessions: int) -> int:
         return fixed + sessions * (blocks_per_session * per_block + cross + model_state)
@@ -225,6 +275,35 @@ def plan_budget(ar_spec, spec: DreamZeroSpec, cfg: PagedKVConfig, *, available_b
         model_state_bytes_per_session=model_state, fixed_bytes=fixed, budget_bytes=budget,
         session_capacity=capacity, blocks_per_layer=capacity * blocks_per_session,
     )
+
+
+_BATCHED_TENSORS = ("hidden_states", "timestep_video", "encoder_hidden_states", "y", "clip_feature", "action",
+                    "timestep_action", "state_features", "embodiment_id")
+
+
+def _stack(values: list, name: str) -> torch.Tensor | None:
+    if all(v is None for v in values):
+        return None
+    if any(v is None for v in values):
+        raise RuntimeError(f"sessions batched in one model call disagree on whether {name!r} is given")
+    return torch.cat(values, dim=0)
+
+
+def _branch_forward_of(call: dict) -> "_BranchForward":
+    kv_cache = call.get("kv_cache") or []
+    if not kv_cache or not isinstance(kv_cache[0], _LayerContext):
+        raise RuntimeError("a batched model call carries no paged context of this runtime (_kv_get)")
+    return kv_cache[0].forward_ctx
+
+
+def batch_signature(call: dict) -> tuple:
+    """What must agree for parked model calls to share one forward: branch, commit or denoise, sequence length,
+    start frame, and every row's shape and dtype."""
+    forward = _branch_forward_of(call)
+    shapes = tuple((name, None if call.get(name) is None else (tuple(call[name].shape[1:]), call[name].dtype))
+                   for name in _BATCHED_TENSORS)
+    return (forward.kv_branch, forward.commit_current, int(call["seq_len"]), int(call["current_start_frame"]),
+            shapes)
 
 
 class _LayerContext:
@@ -332,6 +411,16 @@ class PagedKVSessionState:
                 f"{forward.kv_branch!r} but the model runs {query_len}: the session's window and the pipeline "
                 "disagree (a commit outside the window, or a missed reset)"
             )
+
+    def _start_batched(self, forward: _BranchForward) -> None:
+        """`forward` is about to run as one row of a batched forward (`DreamZeroPagedKV.run_batched`), which
+        opens and closes it in the runtime: here only the checks of `_start` on the session's side."""
+        if self._pending.get(forward.kv_branch) is not forward or forward.started:
+            raise RuntimeError("AR-Diffusion paged context prepared after it was replaced by a newer _kv_get")
+        if self._running is not None:
+            raise RuntimeError(f"session {self.session_id!r} has a forward of its own in flight; it cannot also run "
+                               "as a row of a batched forward")
+        forward.started = True
 
     def _stop(self, error: BaseException | None) -> None:
         """Finish (error None) or roll back the forward in flight, if any."""

@@ -7,6 +7,10 @@
                                         "cuda_graphs": "none", "kv_dtype": None, "kv_scales": None}},
     )
 
+Several sessions per forward: `max_num_seqs > 1` with `custom_pipeline_args={"pipeline_class":
+vllm_omni_ar_batch.PIPELINE_PATH}` (so that the engine batches requests); `execute_model_batch` then serves the
+engine's batch in lockstep, one batched model call per step (`vllm_omni_ar_batch`; not with `cuda_graphs`).
+
 Options (`model_config["paged_kv"]`, every key optional): `kernel`, `inner_compiler` and `block_size` as in
 `PagedKVConfig`; `cuda_graphs` "none" (compiled blocks, host-launched) or "block" (warm up on the pipeline's
 warm-up requests and capture one graph per block and shape before the first request is accepted, then serve by
@@ -28,7 +32,8 @@ with vllm-omni's budget rule instead of building `ARDiffusionKVCache`, binds it 
 compiles them with `backend="paged_kv"` at the settings of DreamZero's `setup_compile` (`fullgraph=True,
 dynamic=False`, replacing its Inductor compile of the same blocks); `_new_session_state` hands the pipeline our
 session state; `_bound_ar_session` closes the last forward of an invocation; `execute_model` marks
-`current_start_frame` a value for dynamo (one compiled frame per bucket at every start frame).
+`current_start_frame` a value for dynamo (one compiled frame per bucket at every start frame);
+`execute_model_batch`, which the base runner refuses, serves several sessions per forward.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch
 
 from ..backend import paged_kv_backend
 from ..errors import ConfigError
+from .vllm_omni_ar_batch import serve_batch
 from .vllm_omni_ar_capture import FrameCaptures, check_granularity, record_block_calls
 from .vllm_omni_ar_diffusion import START_FRAME_SOURCE, DreamZeroPagedKV, PagedKVSessionState, parse_kv_dtype
 
@@ -73,29 +79,34 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
     kv_cache: DreamZeroPagedKV | None
     graphs: FrameCaptures | None = None  # the captured blocks (cuda_graphs="block"), installed in the model
     startup: dict | None = None  # what the capture at startup took (seconds), when it ran
+    batched_model_calls: int = 0  # model calls `execute_model_batch` made (each carrying several sessions' rows)
 
     def _preallocate_kv_cache(self, *, available_bytes: int | None = None) -> None:
         # The base runner's admission rules, unchanged (runner.py: `_preallocate_kv_cache`).
         if bool(getattr(self.od_config, "step_execution", False)) and not supports_step_execution(self.pipeline):
             raise ValueError("ARDiffusionModelRunner currently supports request-mode execution only; "
                              "step_execution=True would bypass per-request AR session binding.")
-        if int(getattr(self.od_config, "max_num_seqs", 1) or 1) > 1:
-            raise ValueError("AR-Diffusion paged KV supports max_num_seqs=1 (single-sequence rollouts)")
+        # Several sessions per forward (max_num_seqs > 1) are served by `execute_model_batch` (lockstep), which
+        # binds every session it runs: the base runner's refusals of max_num_seqs > 1 and of request-batch
+        # pipelines do not apply.
+        max_num_seqs = int(getattr(self.od_config, "max_num_seqs", 1) or 1)
         capability = self._require_capability(self.pipeline)
-        if bool(getattr(self.pipeline, "supports_request_batch", False)):
-            raise ValueError("ARDiffusionModelRunner currently supports one request at a time")
         spec = capability.ar_diffusion_kv_cache_spec()
         options = _options(self.od_config)
         inner = options.get("inner_compiler") or ("eager" if self.od_config.enforce_eager else "inductor")
         transformer = self.pipeline.transformer
         cuda_graphs = check_granularity(options.get("cuda_graphs") or "none")
+        if max_num_seqs > 1 and cuda_graphs != "none":
+            raise ConfigError(f"cuda_graphs={cuda_graphs!r} captures the warm-up requests' batch-1 shapes; with "
+                              f"max_num_seqs={max_num_seqs} the batched forwards have shapes it never captured: "
+                              "use cuda_graphs='none' with max_num_seqs > 1, or max_num_seqs=1")
         self.kv_cache = DreamZeroPagedKV.build(
             transformer, spec,
             available_bytes=self._available_memory_bytes() if available_bytes is None else available_bytes,
             memory_fraction=self.ar_diffusion_kv_config.gpu_memory_fraction, dtype=self.od_config.dtype,
             device=self.device, block_size=options.get("block_size"), kernel=options.get("kernel", "auto"),
             inner_compiler=inner, kv_dtype=parse_kv_dtype(options.get("kv_dtype")),
-            kv_scales=options.get("kv_scales"),
+            kv_scales=options.get("kv_scales"), sessions_per_forward=max_num_seqs,
         )
         self._ar_diffusion_capability = capability
         self._ar_diffusion_kv_cache_spec = spec
@@ -152,8 +163,21 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
             yield
             self._sessions[session_id].end_invocation()
 
-    def execute_model(self, req, kv_prefetch_job=None):
+    def _compile_settings(self) -> contextlib.AbstractContextManager:
         sources = _dynamic_sources(torch.compiler.config.dynamic_sources)
-        stance = torch.compiler.set_stance("fail_on_recompile") if self.graphs is not None else contextlib.nullcontext()
-        with torch.compiler.config.patch(dynamic_sources=sources), stance:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.compiler.config.patch(dynamic_sources=sources))
+        if self.graphs is not None:
+            stack.enter_context(torch.compiler.set_stance("fail_on_recompile"))
+        return stack
+
+    def execute_model(self, req, kv_prefetch_job=None):
+        with self._compile_settings():
             return super().execute_model(req, kv_prefetch_job=kv_prefetch_job)
+
+    def execute_model_batch(self, scheduler_output, od_config):
+        """The engine's requests of several sessions (max_num_seqs > 1), served in lockstep: one batched model
+        call per step of their loops (`vllm_omni_ar_batch`); a request that cannot be admitted is answered with
+        an error and the others proceed."""
+        with self._compile_settings():
+            return serve_batch(self, [new.req for new in scheduler_output.scheduled_new_reqs], od_config)

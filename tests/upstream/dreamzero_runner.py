@@ -245,6 +245,30 @@ def serve(runner, requests) -> list:
     return outs
 
 
+def serve_batch(runner, requests) -> list:
+    """The requests as vllm-omni's engine serves them with `max_num_seqs > 1`: its `RequestScheduler` admits them,
+    schedules them as one wave (checked: all of them), the runner's `execute_model_batch` runs the wave, and the
+    scheduler takes the output back; inside the vLLM config the worker runs under. One `DiffusionOutput` per
+    request, errors included (an error is a response here, not an exception)."""
+    from vllm.config import set_current_vllm_config
+    from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
+
+    scheduler = RequestScheduler()
+    scheduler.initialize(runner.od_config)
+    for req in requests:
+        scheduler.add_request(req)
+    scheduled = scheduler.schedule()
+    if sorted(scheduled.scheduled_request_ids) != sorted(r.request_id for r in requests):
+        raise AssertionError(f"the scheduler put {scheduled.scheduled_request_ids} in one wave, not all of "
+                             f"{[r.request_id for r in requests]} (max_num_seqs={runner.od_config.max_num_seqs})")
+    with set_current_vllm_config(vllm_omni_cpu.vllm_config()):
+        out = runner.execute_model_batch(scheduled, runner.od_config)
+    finished = scheduler.update_from_output(scheduled, out)
+    if finished != {r.request_id for r in requests}:
+        raise AssertionError(f"the scheduler finished {sorted(finished)} of {[r.request_id for r in requests]}")
+    return [out[r.request_id].result for r in requests]
+
+
 # ---- the dense oracle behind the same runner ----------------------------------------------------------------
 
 
