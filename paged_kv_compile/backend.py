@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from . import binding, layout
+from . import binding, forward_context, layout
 from .capture import calls
 from .config import INNER_COMPILERS, KERNELS, Bucket
 from .errors import BindingError, ConfigError, RequestError
@@ -229,29 +229,30 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
                 raise BindingError(f"the sites of one graph are bound to different runtimes (at {key})")
             runtime = site_runtime
             layers.append(layer)
-        active = runtime.require_active()
+        active = forward_context.require(runtime.active)
         if active.bucket != bucket:
             raise RequestError(
                 f"this graph was compiled for bucket {bucket} but the active forward is bucket "
                 f"{active.bucket}: the model's inputs do not match the runtime's plan (stale metadata?)"
             )
-        runtime.check_layout(expect)
+        active.check_expectation(expect)
         if region_tokens:
-            runtime.check_regions(region_tokens)
+            active.check_regions(region_tokens)
         if _pool_geometry(runtime) != pool_shape:
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime "
                                "(shape and dtype must match: an FP8 pool adds its scales as an input)")
         if active.plan.rows:  # a warm-up forward (no rows, nothing visible) has no layout to compare a mask with
             for index, replay in mask_inputs:
-                runtime.check_dense_mask(replay(args[index]))
+                active.check_dense_mask(replay(args[index]))
         if write_checks:
             _check_write_positions(active, [(replay(args[index]), row) for index, replay, row in write_checks], checked)
         return runtime, layers
 
     def paged_kv_compiled_forward(*args):
         runtime, layers = host_checks(args)
-        runtime.record_layers(layers)
-        extras = extra_values(inputs, runtime.pool, runtime.active.meta, layers)
+        active = runtime.active  # the forward these arguments serve (`forward_context.ForwardContext`)
+        active.record_layers(layers)
+        extras = extra_values(inputs, runtime.pool, active.meta, layers)
         out = compiled(*args, *extras)
         if calls.recording():
             calls.report(calls.PagedCall(paged_kv_compiled_forward, args, runtime, tuple(layers), tuple(extras), out))

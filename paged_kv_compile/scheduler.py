@@ -184,7 +184,7 @@ class Scheduler:
 
     @staticmethod
     def noun(owner: Owner) -> str:
-        return families.get(owner.family).noun
+        return owner.family.noun
 
     def _check_idle(self) -> None:
         if self.in_flight is not None:
@@ -261,7 +261,7 @@ class Scheduler:
         (None when they fit, or the family is not LRU-evicted); `sparing` is never chosen (a fork's parent)."""
         if not family.evict_lru or self.max_sessions is None:
             return None
-        live = [o for o in self.owners.values() if o.family == family.name and o.owner_id != sparing]
+        live = [o for o in self.owners.values() if o.family is family and o.owner_id != sparing]
         if len(live) + room_for + (sparing is not None) <= self.max_sessions:
             return None
         if not live:
@@ -304,7 +304,7 @@ class Scheduler:
             taken = self.allocate_rows(counts)
         else:
             taken = self._admit_regions(owner_id, counts, reserved, requests, victim)
-        self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken, serial=next(self._serials), reserved=reserved)
+        self.owners[owner_id] = Owner(owner_id, fam, spec, taken, serial=next(self._serials), reserved=reserved)
 
     def _admit_regions(self, owner_id: str, counts: list[int], reserved: int, requests, victim: Owner | None):
         """Admission with shared regions: the rows' blocks and the new regions' in one allocation, regions written
@@ -351,7 +351,7 @@ class Scheduler:
         owner.rows = [[] for _ in owner.rows]
         owner.version += 1
         self.sharing.discard(owner_id)
-        families.get(owner.family).history_dropped(owner)
+        owner.family.history_dropped(owner)
 
     def fork(self, parent_id: str, child_id: str, **args: Any) -> None:
         """A new owner `child_id` that shares every block of `parent_id` by reference count (no KV is copied).
@@ -364,7 +364,7 @@ class Scheduler:
         """
         self._check_idle()
         parent = self._get(parent_id)
-        fam = families.get(parent.family)
+        fam = parent.family
         state = fam.fork_state(parent, self, **args)
         budget = fam.fork_budget(parent, self, **args)
         self._check_new_id(child_id)
@@ -435,7 +435,7 @@ class Scheduler:
         """One owner's plan by its family, its rows starting at forward row `first_row`; checked never to write a
         block another owner shares or a region's. A refused plan gives back what it took."""
         source = self if first_row == 0 and owner.take_budget is None else _PlanningFor(self, owner, first_row)
-        plan = families.get(owner.family).plan(owner, source, kind, **args)
+        plan = owner.family.plan(owner, source, kind, **args)
         if owner.owner_id in self.sharing or self.regions.blocks:  # 10-20 us per row on the host: only when shared
             try:
                 self._check_writes(plan)
@@ -492,10 +492,10 @@ class Scheduler:
         if twice:
             raise RequestError(f"{twice} appear more than once in one batched forward; a batch carries an owner once")
         owners = [self._get(oid) for oid in ids]
-        if len({o.family for o in owners}) > 1 or len({kind for _, kind, _ in parsed}) > 1:
+        if len({o.family.name for o in owners}) > 1 or len({kind for _, kind, _ in parsed}) > 1:
             raise RequestError(
                 "a batched forward carries owners of one family at one phase; got "
-                + ", ".join(f"{oid!r} ({o.family} {kind})" for (oid, kind, _), o in zip(parsed, owners))
+                + ", ".join(f"{oid!r} ({o.family.name} {kind})" for (oid, kind, _), o in zip(parsed, owners))
                 + ": plan the others in their own forward"
             )
         return [(owner, kind, args) for owner, (_, kind, args) in zip(owners, parsed)]
@@ -520,7 +520,7 @@ class Scheduler:
         self.check_in_flight(plan)
         for part in plan.owner_plans():
             owner = self.owners[part.owner_id]
-            families.get(owner.family).finish(owner, part, self)
+            owner.family.finish(owner, part, self)
             owner.phases_done.add(part.kind)
             if owner.take_budget is not None:
                 owner.take_budget -= sum(len(new) for new in part.new_blocks)

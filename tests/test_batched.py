@@ -191,4 +191,4 @@ def test_batched_forward_checks_every_owner_against_the_compiled_site():
                           chunk_tokens=SPEC.chunk_tokens, action_tokens=SPEC.action_tokens)
     with rt.forward_batch([("a", "denoise"), ("b", "denoise")]):
         with pytest.raises(RequestError, match="session 'b' disagree on sink_tokens"):
-            rt.check_layout(expect)
+            rt.require_active().check_expectation(expect)

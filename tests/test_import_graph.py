@@ -158,8 +158,13 @@ def test_the_family_word_check_finds_a_family_name():
     # the dense reference models know nothing of paging
     ("paged_kv_compile.models", ("paged_kv_compile.models",)),
     # warm-up and capture hold no family knowledge: they reach a model only through families/
+    # (and the forward in progress only through the one object compiled code talks to: forward_context)
     ("paged_kv_compile.capture", ("paged_kv_compile.capture", "paged_kv_compile.families", "paged_kv_compile.binding",
-                                  "paged_kv_compile.config", "paged_kv_compile.errors")),
+                                  "paged_kv_compile.config", "paged_kv_compile.errors",
+                                  "paged_kv_compile.forward_context")),
+    # the per-forward object knows the plan's records and layouts, never the runtime, scheduler or a family module
+    ("paged_kv_compile.forward_context", ("paged_kv_compile.config", "paged_kv_compile.errors",
+                                          "paged_kv_compile.layout")),
     # the structural reading of a site (graph helpers <- tag execution <- provenance <- writes <- site) and the
     # idioms know no family, runtime or metadata
     ("paged_kv_compile.passes.graph", ()),

@@ -106,7 +106,7 @@ def accepted_idioms() -> list[tuple[Idiom, list[str]]]:
 
 def accepts(family: Family, expect: Expectation) -> bool:
     """Whether owners of `family` may run a site compiled with `expect` (its idiom is one the family lists)."""
-    return any(idiom.name == expect.idiom for idiom in family.idioms)
+    return family.accepts(expect)
 
 
 __all__ = [

@@ -49,7 +49,7 @@ class Owner:
     """A live session or request: one list of managed block ids per row (CFG row)."""
 
     owner_id: str
-    family: str  # the family's registry name
+    family: Family  # the family that plans, finishes and checks its forwards
     spec: Any  # the family's spec (e.g. DreamZeroSpec)
     rows: list[list[int]]
     version: int = 0  # bumped whenever the blocks or the family's layout records change: keys the caches
@@ -85,7 +85,7 @@ class ForwardPlan:
     keeps_kv: bool = False  # its K/V is kept (a commit, a prefill): every layer must run, or it is rolled back
     phase: dict = field(default_factory=dict)  # the family's per-forward geometry (DreamZero: chunk/action tokens)
     #: per row, the logical position each dense key column of the model's mask holds (-1: padding); None: the
-    #: columns are [cached prefix | new tokens] (check_dense_mask)
+    #: columns are [cached prefix | new tokens] (`ForwardContext.check_dense_mask`)
     key_positions: list[torch.Tensor] | None = None
     state: dict[str, Any] = field(default_factory=dict)  # what the family's `finish` records on the owner
     #: a batched forward (`Scheduler.plan_batch`): the plan of each owner whose rows it carries, in row order
@@ -146,7 +146,7 @@ class Expectation(Protocol):
     """What a compiled attention site assumes about the forward it runs in (a frozen dataclass per idiom).
 
     Built by an idiom's matcher from the graph (`passes/idioms/`), checked against the live plan at every call
-    (`PagedKVRuntime.check_layout`): the owner's family must accept `idiom`, then checks the rest.
+    (`ForwardContext.check_expectation`): the owner's family must accept `idiom`, then checks the rest.
     `context` is the dense cache length the site was compiled for.
     """
 
@@ -164,7 +164,7 @@ class Family(abc.ABC):
     shared regions) or does nothing (a history reset).
     """
 
-    name: str  # registry key, also `Owner.family`
+    name: str  # registry key
     noun: str  # "session" or "request", for messages
     spec_type: type
     evict_lru: bool  # whether the runtime's max_sessions LRU cap applies to this family's owners
@@ -172,6 +172,18 @@ class Family(abc.ABC):
     idioms: tuple = ()
 
     REQUIRED_ATTRIBUTES = ("name", "noun", "spec_type", "evict_lru", "idioms")
+
+    def __deepcopy__(self, memo: dict) -> "Family":
+        """A family is a stateless singleton that records (`Owner.family`) point at: a copied record (a saved
+        scheduler state) points at the same family."""
+        return self
+
+    def __copy__(self) -> "Family":
+        return self
+
+    def accepts(self, expect: Expectation) -> bool:
+        """Whether this family's owners may run a site compiled with `expect` (its idiom is one listed here)."""
+        return any(idiom.name == expect.idiom for idiom in self.idioms)
 
     # ---- admission and forwards (called by the scheduler) ----
     @abc.abstractmethod

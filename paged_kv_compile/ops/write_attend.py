@@ -19,7 +19,7 @@ scales are read, never written, so the pool stays the one mutated argument.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -250,15 +250,26 @@ def resolve_kernel(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visi
     return kernel
 
 
-#: real calls of the paged ops so far (both ops, any kernel): the runtime refuses a forward in which none ran
+#: what is told of every real call of the paged ops (both ops, any kernel): the forwards open while it runs count
+#: their calls (`forward_context.ForwardContext.note_paged_call`), and one in which none ran is refused
 #: (`PagedKVRuntime._check_attention_ran`: the model then read its cache stand-ins uncompiled)
-CALLS = 0
+_CALL_OBSERVERS: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def observe_calls(observer: Callable[[], None]) -> Iterator[None]:
+    """Call `observer()` at every real call of the paged ops made inside the block."""
+    _CALL_OBSERVERS.append(observer)
+    try:
+        yield
+    finally:  # by identity: the same observer may be open twice
+        del _CALL_OBSERVERS[next(i for i in reversed(range(len(_CALL_OBSERVERS))) if _CALL_OBSERVERS[i] is observer)]
 
 
 def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
          kv_scales):
-    global CALLS
-    CALLS += 1
+    for observer in _CALL_OBSERVERS:
+        observer()
     validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility,
                     kv_scales)
     name = resolve_kernel(kernel, query, kv_pool, visibility)
