@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from . import binding, forward_context, layout
+from . import binding, families, forward_context, layout
 from .capture import calls
 from .config import INNER_COMPILERS, KERNELS, Bucket
 from .errors import BindingError, ConfigError, RequestError
@@ -137,7 +137,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     before = new_gm.print_readable(print_output=False)
     fp8 = runtime is not None and runtime.pool.scales is not None
     result = rewrite(new_gm, example_inputs, is_standin=binding.is_standin, kernel=opts["kernel"], strict=opts["strict"],
-                     kv_scales=fp8, is_region=binding.is_region_standin)
+                     kv_scales=fp8, is_region=binding.is_region_standin, idioms=families.accepted_idioms())
     _record(result)
     maybe_dump(opts["dump_dir"], before, result)
     if not result.changed:

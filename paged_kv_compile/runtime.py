@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -42,7 +43,9 @@ class PagedKVRuntime:
         min_tokens_per_layer: int = 0,
     ) -> None:
         self.config = config
-        self.pool = KVPool.from_config(config, min_tokens_per_layer=min_tokens_per_layer)
+        runtime = weakref.ref(self)  # the pool must not keep its runtime alive (bindings die with the runtime)
+        self.pool = KVPool.from_config(config, min_tokens_per_layer=min_tokens_per_layer,
+                                       blocks_held=lambda: 0 if runtime() is None else runtime().scheduler.held_blocks())
         self.scheduler = Scheduler(
             self.pool, make_allocator(allocator, self.pool.blocks_per_layer),
             max_rows=config.max_rows, max_sessions=max_sessions,

@@ -71,9 +71,11 @@ class Owner:
         return len(self.rows)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class ForwardPlan:
-    """What one forward does: per-row layouts, blocks taken for it, and the metadata cache key."""
+    """What one forward does: per-row layouts, blocks taken for it, and the metadata cache key.
+
+    Complete when made, never edited after (frozen; a plan is compared by identity: `Scheduler.in_flight`)."""
 
     owner_id: str
     kind: str
@@ -92,7 +94,8 @@ class ForwardPlan:
     parts: list["ForwardPlan"] = field(default_factory=list)
     #: which of the owner's rows each forward row is (None: rows 0..n-1), e.g. a DreamZero branch plan's [b]
     owner_rows: list[int] | None = None
-    #: per forward row, the shared write-once region (`regions.Region`) it reads, or None (set by the scheduler)
+    #: per forward row, the shared write-once region (`regions.Region`) it reads, or None (the scheduler makes the
+    #: family's plan with them: `Scheduler._plan_part`)
     regions: list[Any] | None = None
 
     def owner_plans(self) -> list["ForwardPlan"]:
@@ -210,7 +213,7 @@ class Family(abc.ABC):
 
     def reserve(self, spec: Any, rows: int, blocks: BlockSource) -> int:
         """The most managed blocks per layer an owner of `spec` holds at once up to its reset (commits included):
-        admission reserves it (`Scheduler._check_reserved`), so an admitted owner never waits for blocks another
+        admission reserves it (`Reservations.check`), so an admitted owner never waits for blocks another
         holds. Default 0: the owner reserves just what `admission_blocks` takes."""
         return 0
 

@@ -465,7 +465,7 @@ def _demo(size: str, *, short: bool, device: str, **runtime_options: Any) -> Dem
     chunks, steps = (2, 1) if short else (10, 3)
     k = DEMO_CANDIDATES
     rows = (2, 2 * k)
-    # Room for what admission counts (`Scheduler._committed`): what each session may hold up to its reset, each
+    # Room for what admission counts (`Reservations.committed`): what each session may hold up to its reset, each
     # candidate (a fork with a budget of one commit, `fork_budget`) its chunk on both rows, and the forked session's
     # history (sink + the window beside a chunk, both rows), which the forks keep even if the session drops it.
     frame_blocks = cfg.frame_seqlen // block_size

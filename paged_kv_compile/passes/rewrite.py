@@ -23,7 +23,7 @@ from .extra_inputs import extra_inputs
 from .graph import SDPA_TARGETS, example, find_parameter, sdpa_args, source_name
 from .idioms import Match
 from .insert import add_inputs, insert_attend, insert_write_attend
-from .match import match_site
+from .match import AcceptedIdioms, match_site
 from .region import region_source
 from .result import PassResult, RewrittenSite, SiteReport
 from .site import Site, analyze
@@ -76,12 +76,13 @@ def _region_site(found: _Found, node: fx.Node, source: fx.Node | str, inputs: _I
     found.reports.append(SiteReport(node.name, "shared-region", source_name(weight), "rewritten"))
 
 
-def _window_site(found: _Found, node: fx.Node, inputs: _Inputs, stores: list[fx.Node], strict: bool) -> None:
+def _window_site(found: _Found, node: fx.Node, inputs: _Inputs, stores: list[fx.Node], strict: bool,
+                 idioms: AcceptedIdioms) -> None:
     site = analyze(node, inputs.standins - inputs.regions, stores, inputs.params)
     if site is None:
         found.reports.append(SiteReport(node.name, "-", None, "dense", "reads no cache stand-in (e.g. cross-attention)"))
         return
-    got = site if isinstance(site, str) else match_site(site)
+    got = site if isinstance(site, str) else match_site(site, idioms)
     if not isinstance(got, Match):
         return _refuse(found, node, "KV-cache stand-in", got, strict)
     weight = find_parameter([span.read.node for span in site.new.key], inputs.params)
@@ -214,10 +215,12 @@ def rewrite(
     strict: bool = False,
     kv_scales: bool = False,
     is_region=lambda value: False,
+    idioms: AcceptedIdioms = (),
 ) -> PassResult:
     """Rewrite `gm` (a copy the caller owns) in place; returns the report and the added inputs (`result.inputs`).
 
     `kv_scales`: the pool stores FP8, and its scales come as one more input (`extra_inputs.KV_SCALES`).
+    `idioms`: what a KV-cache site may be, each idiom with the families that accept it (`match.match_site`).
     """
     graph = gm.graph
     inputs = _Inputs.read(graph, example_inputs, is_standin, is_region)
@@ -233,7 +236,7 @@ def rewrite(
         if source is not None:
             _region_site(found, node, source, inputs, strict)
         else:
-            _window_site(found, node, inputs, stores, strict)
+            _window_site(found, node, inputs, stores, strict, idioms)
     result = PassResult(gm, found.reports)
     if found.regions and not found.window:
         raise PassError(
