@@ -266,7 +266,8 @@ class Scheduler:
             taken = self.allocate_rows(counts)
         else:
             taken = self._admit_regions(owner_id, counts, reserved, requests, victim)
-        self.owners[owner_id] = Owner(owner_id, fam, spec, taken, serial=next(self._serials), reserved=reserved)
+        self.owners[owner_id] = Owner(owner_id, fam, spec, taken, state=fam.new_state(spec, rows),
+                                      serial=next(self._serials), reserved=reserved)
 
     def _admit_regions(self, owner_id: str, counts: list[int], reserved: int, requests, victim: Owner | None):
         """Admission with shared regions: the rows' blocks and the new regions' in one allocation, regions written

@@ -90,7 +90,7 @@ def test_batched_forward_failure_rolls_back_every_owner():
     assert_refcounts_exact(rt)
     with rt.forward_batch([("a", "commit"), ("b", "commit"), ("a2", "commit")]):
         pass
-    assert all(rt.scheduler.owners[sid].state["commits"] == [3, 3] for sid in ("a", "b", "a2"))
+    assert all(rt.scheduler.owners[sid].state.commits == [3, 3] for sid in ("a", "b", "a2"))
     assert_refcounts_exact(rt)
     assert rt.scheduler.owners["a"].phases_done == {"commit"}
 

@@ -111,7 +111,7 @@ GENERIC = ("paged_kv_compile.runtime", "paged_kv_compile.scheduler", "paged_kv_c
            "paged_kv_compile.driver", "paged_kv_compile.cli", "paged_kv_compile.demo")
 FAMILY_MODULES = ("paged_kv_compile.families.", "paged_kv_compile.models.", "paged_kv_compile.adapters")
 #: what a generic layer may import from those: the registry's base class and the loops' hooks seam (no model)
-GENERIC_SEAMS = ("paged_kv_compile.families.base", "paged_kv_compile.models.hooks")
+GENERIC_SEAMS = ("paged_kv_compile.families.base", "paged_kv_compile.families.demo", "paged_kv_compile.models.hooks")
 GENERIC_FILES = ["runtime.py", "scheduler.py", "driver.py", "cli.py", "demo.py", *(f"capture/{p.name}" for p in
                                                             sorted((ROOT / "capture").glob("*.py")))]
 FAMILY_WORDS = ("dreamzero", "hunyuan")

@@ -41,14 +41,14 @@ def model_blocks_and_inputs(model, runtime) -> tuple[torch.nn.ModuleList, Exampl
 class _CapturedBlock(torch.nn.Module):
     """Stands in a ModuleList for one compiled block; its parameters are the block's own."""
 
-    def __init__(self, owner: "CapturedBlocks", index: int, block: torch.nn.Module) -> None:
+    def __init__(self, captured: "CapturedBlocks", index: int, block: torch.nn.Module) -> None:
         super().__init__()
         self.block = block
-        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_captured", captured)
         object.__setattr__(self, "_index", index)
 
     def forward(self, *args, **kwargs):
-        return self._owner._call(self._index, args, kwargs)
+        return self._captured._call(self._index, args, kwargs)
 
     def __getattr__(self, name: str):
         try:

@@ -54,7 +54,9 @@ class _Found:
     """The sites of a graph, as the pass read them."""
 
     reports: list[SiteReport] = field(default_factory=list)
-    window: list[tuple[Site, Match, fx.Node]] = field(default_factory=list)  # (site, idiom match, layer weight)
+    #: sites that read a KV-cache stand-in, whatever their idiom (window, rolling cache, prefix):
+    #: (site, idiom match, layer weight)
+    cache_sites: list[tuple[Site, Match, fx.Node]] = field(default_factory=list)
     regions: list[tuple[fx.Node, fx.Node, fx.Node]] = field(default_factory=list)  # (sdpa, region stand-in, weight)
 
 
@@ -76,7 +78,7 @@ def _region_site(found: _Found, node: fx.Node, source: fx.Node | str, inputs: _I
     found.reports.append(SiteReport(node.name, "shared-region", source_name(weight), "rewritten"))
 
 
-def _window_site(found: _Found, node: fx.Node, inputs: _Inputs, stores: list[fx.Node], strict: bool,
+def _cache_site(found: _Found, node: fx.Node, inputs: _Inputs, stores: list[fx.Node], strict: bool,
                  idioms: AcceptedIdioms) -> None:
     site = analyze(node, inputs.standins - inputs.regions, stores, inputs.params)
     if site is None:
@@ -89,7 +91,7 @@ def _window_site(found: _Found, node: fx.Node, inputs: _Inputs, stores: list[fx.
     if weight is None:
         why = "no per-layer 2-D weight feeds its keys, so the layer cannot be identified at run time"
         return _refuse(found, node, "KV-cache stand-in", why, strict)
-    found.window.append((site, got, weight))
+    found.cache_sites.append((site, got, weight))
     found.reports.append(SiteReport(node.name, got.pattern, source_name(weight), "rewritten"))
 
 
@@ -107,10 +109,10 @@ def _refuse_dynamic_shapes(placeholders: list[fx.Node]) -> None:
 
 
 def _graph_shape(result: PassResult, found: _Found) -> None:
-    """The one expectation and (rows, tokens, context) every window site of the graph shares, and the region
+    """The one expectation and (rows, tokens, context) every cache site of the graph shares, and the region
     length its region sites share (else refused: such a graph cannot be one bucket's)."""
     shapes = set()
-    for site, match, _ in found.window:
+    for site, match, _ in found.cache_sites:
         q = example(site.node)  # (B, H, T, D)
         shapes.add((q.shape[0], q.shape[2], match.expect.context))
         if result.expect is not None and result.expect != match.expect:
@@ -123,7 +125,7 @@ def _graph_shape(result: PassResult, found: _Found) -> None:
         q, standin = example(sdpa_args(node)["query"]), example(source)
         if (q.shape[0], q.shape[2]) != result.shape[:2]:
             raise PassError(f"the region site {node.name} computes {tuple(q.shape)} queries, not the "
-                            f"(rows, tokens) = {result.shape[:2]} of the graph's window sites")
+                            f"(rows, tokens) = {result.shape[:2]} of the graph's cache sites")
         if result.region_tokens not in (None, standin.shape[2]):
             raise PassError(f"region sites of one graph read regions of {result.region_tokens} and "
                             f"{standin.shape[2]} tokens; compile blocks separately")
@@ -131,7 +133,7 @@ def _graph_shape(result: PassResult, found: _Found) -> None:
 
 
 def _host_checks(site: Site, weight: fx.Node, placeholders: list[fx.Node]) -> RewrittenSite:
-    """What the compiled function checks of a window site's inputs at every call: its mask, its write positions."""
+    """What the compiled function checks of a cache site's inputs at every call: its mask, its write positions."""
     mask = site.args["attn_mask"]
     replay = movement_replay(mask, placeholders) if isinstance(mask, fx.Node) else None
     writes = []
@@ -145,14 +147,14 @@ def _host_checks(site: Site, weight: fx.Node, placeholders: list[fx.Node]) -> Re
 
 def _insert(graph: fx.Graph, found: _Found, placeholders: list[fx.Node], kernel: str, result: PassResult,
             kv_scales: bool) -> None:
-    """Add the extra inputs (`result.inputs`) and replace every matched site by its op, window sites first."""
+    """Add the extra inputs (`result.inputs`) and replace every matched site by its op, cache sites first."""
     result.inputs = extra_inputs(fp8=kv_scales, regions=bool(found.regions),
-                                 sites=len(found.window) + len(found.regions))
+                                 sites=len(found.cache_sites) + len(found.regions))
     nodes = add_inputs(graph, result.inputs)
-    for index, (site, match, weight) in enumerate(found.window):
+    for index, (site, match, weight) in enumerate(found.cache_sites):
         result.sites.append(_host_checks(site, weight, placeholders))
         insert_write_attend(graph, site, match, nodes, index, kernel)
-    for index, (node, _, weight) in enumerate(found.regions, start=len(found.window)):
+    for index, (node, _, weight) in enumerate(found.regions, start=len(found.cache_sites)):
         insert_attend(graph, node, nodes, index, kernel)
         result.sites.append(RewrittenSite(placeholders.index(weight), source_name(weight)))
 
@@ -236,13 +238,13 @@ def rewrite(
         if source is not None:
             _region_site(found, node, source, inputs, strict)
         else:
-            _window_site(found, node, inputs, stores, strict, idioms)
+            _cache_site(found, node, inputs, stores, strict, idioms)
     result = PassResult(gm, found.reports)
-    if found.regions and not found.window:
+    if found.regions and not found.cache_sites:
         raise PassError(
             "this graph reads a shared region (a region stand-in) but has no KV-cache window site to give it a shape "
             "bucket: compile the block that holds the self-attention too (DreamZero: the whole CausalWanBlock)")
-    if found.window:
+    if found.cache_sites:
         _graph_shape(result, found)
         _insert(graph, found, inputs.placeholders, kernel, result, kv_scales)
     _refuse_leftovers(graph, inputs.standins, stores)
