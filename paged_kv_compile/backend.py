@@ -215,7 +215,7 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
     write_checks = [check for s in result.sites for check in s.write_checks]
     checked: dict = {}
     layer_keys = [s.layer_key for s in result.sites]
-    expect = result.expect
+    expect, idiom = result.expect, result.idiom
     region_tokens = result.region_tokens
     inputs = result.inputs  # the inputs the rewrite added, described once (passes/extra_inputs.py)
 
@@ -235,7 +235,7 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
                 f"this graph was compiled for bucket {bucket} but the active forward is bucket "
                 f"{active.bucket}: the model's inputs do not match the runtime's plan (stale metadata?)"
             )
-        active.check_expectation(expect)
+        active.check_expectation(expect, idiom)
         if region_tokens:
             active.check_regions(region_tokens)
         if _pool_geometry(runtime) != pool_shape:

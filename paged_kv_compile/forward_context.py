@@ -22,7 +22,7 @@ from .layout import mask_disagreement, mask_rows
 if TYPE_CHECKING:
     from .families.base import ForwardPlan, Owner
     from .metadata import BucketMetadata
-    from .passes.idioms import Expectation
+    from .passes.idioms import Expectation, Idiom
 
 
 @dataclass(eq=False)
@@ -51,9 +51,9 @@ class ForwardContext:
         """Layers whose compiled site served this forward (checked when it keeps its K/V)."""
         self.layers_seen.update(layers)
 
-    def check_expectation(self, expect: Expectation | None) -> None:
-        """A compiled site's idiom must be one the forward's owners' family accepts, and agree with each owner
-        (window, sink, prefix)."""
+    def check_expectation(self, expect: Expectation | None, idiom: Idiom | None) -> None:
+        """A compiled site's idiom must be one the forward's owners' family accepts (this very `Idiom` object), and
+        its expectation agree with each owner (window, sink, prefix)."""
         if expect is None:
             return
         for plan in self.plan.owner_plans():
@@ -61,9 +61,9 @@ class ForwardContext:
             if owner is None:
                 continue
             family = owner.family
-            if not family.accepts(expect):
+            if not family.accepts(idiom):
                 raise RequestError(
-                    f"a {expect.idiom!r} attention site ran inside a {family.name} forward ({plan.owner_id!r}), "
+                    f"a {idiom.name if idiom is not None else expect.idiom!r} attention site ran inside a {family.name} forward ({plan.owner_id!r}), "
                     f"whose family accepts the idioms {[i.name for i in family.idioms]}: run this model's owners, "
                     "or compile the model this owner belongs to"
                 )

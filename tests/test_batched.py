@@ -186,9 +186,9 @@ def test_batched_forward_checks_every_owner_against_the_compiled_site():
     rt = make_dz_runtime(sessions=2, max_rows=4)
     rt.admit("a", SPEC)
     rt.admit("b", DreamZeroSpec.from_model_config(CFG.__class__(**{**CFG.__dict__, "sink_size": 0})))
-    from paged_kv_compile.passes.idioms import WindowExpect
+    from paged_kv_compile.passes.idioms import WINDOW, WindowExpect
     expect = WindowExpect(window_tokens=SPEC.window_tokens, sink_tokens=SPEC.sink_tokens,
                           chunk_tokens=SPEC.chunk_tokens, action_tokens=SPEC.action_tokens)
     with rt.forward_batch([("a", "denoise"), ("b", "denoise")]):
         with pytest.raises(RequestError, match="session 'b' disagree on sink_tokens"):
-            rt.require_active().check_expectation(expect)
+            rt.require_active().check_expectation(expect, WINDOW)

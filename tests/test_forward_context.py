@@ -14,6 +14,7 @@ from paged_kv_compile import PagedKVConfig, RequestError
 from paged_kv_compile.distributed import rank_runtime
 from paged_kv_compile.families.dreamzero import DreamZeroSpec
 from paged_kv_compile.forward_context import ForwardContext
+from paged_kv_compile.passes.idioms import WindowExpect
 from paged_kv_compile.runtime import PagedKVRuntime
 
 B = 4
@@ -94,3 +95,21 @@ def test_compiled_code_no_longer_calls_back_into_the_runtime():
     assert "require_active" not in rank_runtime._PASS_THROUGH
     for name in ("record_layers", "check_regions", "check_expectation", "check_dense_mask"):
         assert callable(getattr(ForwardContext, name)), name
+
+
+def test_a_family_accepts_an_idiom_by_identity_not_by_name():
+    """An idiom another module declares under a taken name is not the family's: a site of it is refused."""
+    from paged_kv_compile.families import DREAMZERO
+    from paged_kv_compile.passes.idioms import WINDOW, Idiom
+
+    lookalike = Idiom(WINDOW.name, WINDOW.match)
+    assert DREAMZERO.accepts(WINDOW) and not DREAMZERO.accepts(lookalike) and not DREAMZERO.accepts(None)
+    rt = bound_runtime()
+    with rt.forward("s", "denoise") as active:
+        call_op(rt, active)
+        with pytest.raises(RequestError, match=r"a 'window' attention site ran inside a dreamzero forward \('s'\)"):
+            active.check_expectation(WindowExpect(window_tokens=DZ.window_tokens, sink_tokens=DZ.sink_tokens,
+                                                  chunk_tokens=DZ.chunk_tokens, action_tokens=DZ.action_tokens),
+                                     lookalike)
+        active.check_expectation(WindowExpect(window_tokens=DZ.window_tokens, sink_tokens=DZ.sink_tokens,
+                                              chunk_tokens=DZ.chunk_tokens, action_tokens=DZ.action_tokens), WINDOW)

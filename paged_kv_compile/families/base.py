@@ -24,7 +24,7 @@ import torch
 from ..config import Bucket, PagedKVConfig
 from ..errors import RequestError
 from ..layout import RowLayout
-from ..passes.idioms import Expectation
+from ..passes.idioms import Expectation, Idiom
 
 if TYPE_CHECKING:
     from .demo import Demo
@@ -186,9 +186,9 @@ class Family(abc.ABC):
     def __copy__(self) -> "Family":
         return self
 
-    def accepts(self, expect: Expectation) -> bool:
-        """Whether this family's owners may run a site compiled with `expect` (its idiom is one listed here)."""
-        return any(idiom.name == expect.idiom for idiom in self.idioms)
+    def accepts(self, idiom: Idiom | None) -> bool:
+        """Whether this family's owners may run a site of `idiom` (one of the very objects listed here)."""
+        return any(mine is idiom for mine in self.idioms)
 
     # ---- admission and forwards (called by the scheduler) ----
     @abc.abstractmethod

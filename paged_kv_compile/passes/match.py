@@ -6,6 +6,7 @@ matches does not depend on whatever a registry holds when dynamo runs the passes
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from .idioms import Idiom, Match
@@ -26,7 +27,8 @@ def match_site(site: Site, idioms: AcceptedIdioms) -> Match | str:
         else:
             reasons.append(f"{idiom.name}: {got}")
     if len(hits) == 1:
-        return hits[0][2]
+        idiom, _, got = hits[0]
+        return dataclasses.replace(got, idiom=idiom)
     if hits:
         return ("ambiguous: it matches " + " and ".join(
             f"idiom {idiom.name!r} (accepted by {', '.join(by)})" for idiom, by, _ in hits)

@@ -117,7 +117,7 @@ def _graph_shape(result: PassResult, found: _Found) -> None:
         shapes.add((q.shape[0], q.shape[2], match.expect.context))
         if result.expect is not None and result.expect != match.expect:
             raise PassError(f"sites of one graph disagree on their expectation: {result.expect} vs {match.expect}")
-        result.expect = match.expect
+        result.expect, result.idiom = match.expect, match.idiom
     if len(shapes) != 1:
         raise PassError(f"sites of one graph have different shapes {sorted(shapes)}; compile blocks separately")
     result.shape = shapes.pop()
