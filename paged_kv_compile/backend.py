@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from . import binding, layout
+from . import binding, families, forward_context, layout
 from .capture import calls
 from .config import INNER_COMPILERS, KERNELS, Bucket
 from .errors import BindingError, ConfigError, RequestError
@@ -134,13 +134,12 @@ def _nothing_to_page(result: PassResult) -> str:
 
 
 def _unpaged_callable(compiled: Callable, result: PassResult) -> Callable:
-    """`compiled`, counting its calls (`ops.write_attend.UNPAGED_CALLS`) so that a forward that pages nothing
-    names the cause."""
+    """`compiled`, reporting its calls to the open forwards (`ops.write_attend.report_call`) so that a forward that
+    pages nothing names the cause."""
     why = _nothing_to_page(result)
 
     def unpaged_compiled_forward(*args):
-        write_attend_op.UNPAGED_CALLS += 1
-        write_attend_op.UNPAGED_WHY = why
+        write_attend_op.report_call(why)
         return compiled(*args)
 
     unpaged_compiled_forward.pass_result = result
@@ -161,7 +160,7 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     before = new_gm.print_readable(print_output=False)
     fp8 = runtime is not None and runtime.pool.scales is not None
     result = rewrite(new_gm, example_inputs, is_standin=binding.is_standin, kernel=opts["kernel"], strict=opts["strict"],
-                     kv_scales=fp8, is_region=binding.is_region_standin)
+                     kv_scales=fp8, is_region=binding.is_region_standin, idioms=families.accepted_idioms())
     _record(result)
     maybe_dump(opts["dump_dir"], before, result)
     if not result.changed:
@@ -239,7 +238,7 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
     write_checks = [check for s in result.sites for check in s.write_checks]
     checked: dict = {}
     layer_keys = [s.layer_key for s in result.sites]
-    expect = result.expect
+    expect, idiom = result.expect, result.idiom
     region_tokens = result.region_tokens
     inputs = result.inputs  # the inputs the rewrite added, described once (passes/extra_inputs.py)
 
@@ -253,29 +252,30 @@ def _paged_callable(compiled: Callable, result: PassResult, bucket: Bucket, pool
                 raise BindingError(f"the sites of one graph are bound to different runtimes (at {key})")
             runtime = site_runtime
             layers.append(layer)
-        active = runtime.require_active()
+        active = forward_context.require(runtime.active)
         if active.bucket != bucket:
             raise RequestError(
                 f"this graph was compiled for bucket {bucket} but the active forward is bucket "
                 f"{active.bucket}: the model's inputs do not match the runtime's plan (stale metadata?)"
             )
-        runtime.check_layout(expect)
+        active.check_expectation(expect, idiom)
         if region_tokens:
-            runtime.check_regions(region_tokens)
+            active.check_regions(region_tokens)
         if _pool_geometry(runtime) != pool_shape:
             raise RequestError("this graph was compiled against another pool geometry; compile again for this runtime "
                                "(shape and dtype must match: an FP8 pool adds its scales as an input)")
         if active.plan.rows:  # a warm-up forward (no rows, nothing visible) has no layout to compare a mask with
             for index, replay in mask_inputs:
-                runtime.check_dense_mask(replay(args[index]))
+                active.check_dense_mask(replay(args[index]))
         if write_checks:
             _check_write_positions(active, [(replay(args[index]), row) for index, replay, row in write_checks], checked)
         return runtime, layers
 
     def paged_kv_compiled_forward(*args):
         runtime, layers = host_checks(args)
-        runtime.record_layers(layers)
-        extras = extra_values(inputs, runtime.pool, runtime.active.meta, layers)
+        active = runtime.active  # the forward these arguments serve (`forward_context.ForwardContext`)
+        active.record_layers(layers)
+        extras = extra_values(inputs, runtime.pool, active.meta, layers)
         out = compiled(*args, *extras)
         if calls.recording():
             calls.report(calls.PagedCall(paged_kv_compiled_forward, args, runtime, tuple(layers), tuple(extras), out))

@@ -35,7 +35,8 @@ from .capture.report import unique_graphs
 from .config import Bucket
 from .driver import PagedHooks, admit_loop, paged_run
 from .errors import ConfigError
-from .families.base import Demo, DemoForks, DemoLane, Family
+from .families.base import Family
+from .families.demo import Demo, DemoForks, DemoLane
 from .models.hooks import DenseHooks, drive
 from .pool import KVPool
 from .runtime import PagedKVRuntime

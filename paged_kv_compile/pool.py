@@ -51,6 +51,7 @@ class KVPool:
         scratch_blocks_per_row: int = 1,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        blocks_held: Callable[[], int] | None = None,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -68,8 +69,9 @@ class KVPool:
         #: float32 [2, num_blocks_total, Hkv] for FP8 pools (see the module docstring), else None.
         self.scales: torch.Tensor | None = None
         #: How many managed blocks per layer are held (each holds, or will hold, K/V quantized with the current
-        #: scales): `set_scales` refuses while any is. The runtime's scheduler installs its allocator's count.
-        self.blocks_held: Callable[[], int] = lambda: 0
+        #: scales): `set_scales` refuses while any is. Given at construction: the runtime passes its scheduler's
+        #: live count (`Scheduler.held_blocks`); a pool no scheduler serves holds nothing.
+        self.blocks_held: Callable[[], int] = blocks_held if blocks_held is not None else (lambda: 0)
         self.num_layers = num_layers
         self.blocks_per_layer = blocks_per_layer
         self.block_size = block_size
@@ -131,8 +133,10 @@ class KVPool:
         return total * (cls.bytes_per_block_all_layers(cfg) // cfg.num_layers)
 
     @classmethod
-    def from_config(cls, cfg: PagedKVConfig, *, min_tokens_per_layer: int = 0) -> "KVPool":
-        """Size the pool from ``blocks_per_layer`` or from ``budget_bytes`` (scratch and pad included)."""
+    def from_config(cls, cfg: PagedKVConfig, *, min_tokens_per_layer: int = 0,
+                    blocks_held: Callable[[], int] | None = None) -> "KVPool":
+        """Size the pool from ``blocks_per_layer`` or from ``budget_bytes`` (scratch and pad included);
+        `blocks_held`: how many managed blocks per layer are held now (see `__init__`)."""
         return cls(
             cfg.num_layers,
             cls.blocks_per_layer_for(cfg, min_tokens_per_layer=min_tokens_per_layer),
@@ -143,6 +147,7 @@ class KVPool:
             scratch_blocks_per_row=cfg.scratch_blocks_per_row,
             dtype=cfg.pool_dtype,
             device=cfg.device,
+            blocks_held=blocks_held,
         )
 
     # ---- reports ------------------------------------------------------------------------------

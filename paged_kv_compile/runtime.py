@@ -12,35 +12,23 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from dataclasses import dataclass, field
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import binding, families
+from . import binding, forward_context
 from .allocator import make_allocator
 from .config import Bucket, PagedKVConfig
 from .errors import RequestError
 from .families.base import ForwardPlan, Owner
-from .layout import mask_disagreement, mask_rows
-from .metadata import BucketMetadata, MetadataBuilder
+from .forward_context import ForwardContext
+from .metadata import MetadataBuilder
 from .ops import write_attend as write_attend_op
 from .pool import KVPool
 from .scheduler import Scheduler
 
 WARMUP_OWNER = "<warm-up>"
-
-
-@dataclass
-class ActiveForward:
-    plan: ForwardPlan
-    bucket: Bucket
-    meta: BucketMetadata
-    generation: int
-    layers_seen: set[int] = field(default_factory=set)  # layers whose compiled site ran in this forward
-    op_calls: int = 0  # the paged ops' call count when it began (`ops.write_attend.CALLS`)
-    unpaged_calls: int = 0  # compiled graphs with nothing to page called so far (`ops.write_attend.UNPAGED_CALLS`)
-    expect_attention: bool = True  # the body must run paged attention (`_check_attention_ran`)
 
 
 class PagedKVRuntime:
@@ -55,13 +43,15 @@ class PagedKVRuntime:
         min_tokens_per_layer: int = 0,
     ) -> None:
         self.config = config
-        self.pool = KVPool.from_config(config, min_tokens_per_layer=min_tokens_per_layer)
+        runtime = weakref.ref(self)  # the pool must not keep its runtime alive (bindings die with the runtime)
+        self.pool = KVPool.from_config(config, min_tokens_per_layer=min_tokens_per_layer,
+                                       blocks_held=lambda: 0 if runtime() is None else runtime().scheduler.held_blocks())
         self.scheduler = Scheduler(
             self.pool, make_allocator(allocator, self.pool.blocks_per_layer),
             max_rows=config.max_rows, max_sessions=max_sessions,
         )
         self.metadata = MetadataBuilder(self.pool, region_tokens=config.region_tokens)
-        self.active: ActiveForward | None = None
+        self.active: ForwardContext | None = None  # the forward in progress: what compiled sites talk to
         self.generation = 0
         self._standin_base = torch.zeros((), dtype=config.dtype, device=config.device)
         binding.register_standin_storage(self._standin_base)
@@ -130,7 +120,7 @@ class PagedKVRuntime:
         )
 
     # ---- forwards -----------------------------------------------------------------------------
-    def forward(self, owner_id: str, kind: str, **args: Any) -> contextlib.AbstractContextManager[ActiveForward]:
+    def forward(self, owner_id: str, kind: str, **args: Any) -> contextlib.AbstractContextManager[ForwardContext]:
         """``with runtime.forward(owner_id, kind, **args): model(...)``: one model forward of an owner, planned by
         its family (the kinds and their args are the family's: see its module under `families/`), committed when
         the body returns, rolled back if it raises."""
@@ -143,7 +133,7 @@ class PagedKVRuntime:
         return self.scheduler.plan(owner_id, kind, **args)
 
     @contextlib.contextmanager
-    def forward_plan(self, plan: ForwardPlan, *, expect_attention: bool = True) -> Iterator[ActiveForward]:
+    def forward_plan(self, plan: ForwardPlan, *, expect_attention: bool = True) -> Iterator[ForwardContext]:
         """Build the plan's metadata once, run the body with it active, then commit or roll back.
 
         expect_attention=False: the body deliberately runs no paged attention (a test or a benchmark of the
@@ -163,11 +153,11 @@ class PagedKVRuntime:
             self.scheduler.abort_forward(plan)
             raise
         self.generation += 1
-        self.active = ActiveForward(plan, bucket, meta, self.generation, op_calls=write_attend_op.CALLS,
-                                    unpaged_calls=write_attend_op.UNPAGED_CALLS,
-                                    expect_attention=expect_attention)
+        self.active = ForwardContext(plan, bucket, meta, self.generation, owner_of=self.owner,
+                                     expect_attention=expect_attention)
         try:
-            yield self.active
+            with write_attend_op.observe_calls(self.active.note_call):
+                yield self.active
             self.verify_forward(self.active)
         except BaseException:
             self.active = None
@@ -182,29 +172,27 @@ class PagedKVRuntime:
             raise RequestError("a forward is already active on this runtime; forwards do not nest (nor run inside "
                                "a warm-up): run it after the with block")
 
-    def verify_forward(self, active: ActiveForward) -> None:
+    def verify_forward(self, active: ForwardContext) -> None:
         """Every check that can refuse a forward after its body ran (commit or roll back is decided after them;
         a multi-rank runtime runs them on every rank before the ranks vote on it). Repeatable: reads only."""
         self._check_attention_ran(active)
         self._check_all_layers_wrote(active)
 
-    def _check_attention_ran(self, active: ActiveForward) -> None:
+    def _check_attention_ran(self, active: ForwardContext) -> None:
         """A forward of a bound runtime whose body ran no paged attention at all (no compiled site, no call of the
         op) did not use the pool: either its blocks read the cache stand-ins (which hold no data) in plain PyTorch,
         or they ran compiled by backend="paged_kv" with nothing to page (no site read or wrote a stand-in), so the
         forward neither read its history nor kept its K/V. The message names which of the two happened. (A runtime
         no model was bound to is driven by hand: its forwards are not checked.)"""
-        if not (self.bound and active.expect_attention and active.plan.rows) or active.layers_seen:
-            return
-        if write_attend_op.CALLS != active.op_calls:
+        if not (self.bound and active.expect_attention and active.plan.rows) or active.attention_ran:
             return
         head = f"no paged attention ran in this {active.plan.kind} forward of {active.plan.owner_id!r}: "
         tail = (" The forward was rolled back. A forward that deliberately runs no attention: "
                 "runtime.forward_plan(plan, expect_attention=False)")
-        if write_attend_op.UNPAGED_CALLS != active.unpaged_calls:
+        if active.unpaged_calls:
             raise RequestError(
                 head + "its blocks ran compiled with backend='paged_kv', but the graphs they ran had nothing to page: "
-                f"{write_attend_op.UNPAGED_WHY}. So the forward neither read the session's history from the pool nor kept "
+                f"{active.nothing_to_page}. So the forward neither read the session's history from the pool nor kept "
                 "its K/V there. Hand the model cache stand-ins its attention reads (for a model whose first chunk "
                 "skips the cache, a stand-in cache that presents the steady state, so that every chunk's graph reads "
                 "history and the runtime supplies an empty one)." + tail
@@ -215,7 +203,7 @@ class PagedKVRuntime:
             "torch._dynamo.config.recompile_limit above the bucket count (past it dynamo runs a block eagerly)." + tail
         )
 
-    def _check_all_layers_wrote(self, active: ActiveForward) -> None:
+    def _check_all_layers_wrote(self, active: ForwardContext) -> None:
         """A forward that keeps its K/V (commit, prefill) must have run every layer's site.
 
         Otherwise the skipped layers' new history would be whatever those blocks held before.
@@ -231,7 +219,7 @@ class PagedKVRuntime:
             )
 
     @contextlib.contextmanager
-    def warmup_forward(self, bucket: Bucket) -> Iterator[ActiveForward]:
+    def warmup_forward(self, bucket: Bucket) -> Iterator[ForwardContext]:
         """Make `bucket` the active forward with all-padding metadata, for warm-up and CUDA-graph capture.
 
         Nothing is written and nothing is visible (every slot -1, every length 0), so a padded query gives
@@ -245,86 +233,23 @@ class PagedKVRuntime:
         meta = self.metadata.buffers(bucket)
         meta.fill_with_padding()  # also forgets the last build's key: the next build is never skipped
         self.generation += 1
-        self.active = ActiveForward(ForwardPlan(WARMUP_OWNER, "warmup", [], bucket.tokens, bucket.context), bucket,
-                                    meta, self.generation)
+        self.active = ForwardContext(ForwardPlan(WARMUP_OWNER, "warmup", [], bucket.tokens, bucket.context), bucket,
+                                     meta, self.generation, owner_of=self.owner)
         try:
             yield self.active
         finally:
             self.active = None
 
-    def forward_batch(self, items: Sequence[tuple]) -> contextlib.AbstractContextManager[ActiveForward]:
+    def forward_batch(self, items: Sequence[tuple]) -> contextlib.AbstractContextManager[ForwardContext]:
         """One forward over the rows of several owners at the same phase, in item order (`Scheduler.plan_batch`:
         items are (owner_id, kind) or (owner_id, kind, args)); metadata is built once for all of them, and a
         failure rolls back every owner."""
         self._check_not_nested()
         return self.forward_plan(self.scheduler.plan_batch(items))
 
-    def record_layers(self, layers) -> None:
-        """Layers whose compiled site served the active forward (checked when it keeps its K/V)."""
-        self.require_active().layers_seen.update(layers)
-
-    def require_active(self) -> ActiveForward:
-        if self.active is None:
-            raise RequestError(
-                "a paged attention site ran outside a forward: wrap the model call in "
-                "`with runtime.forward(owner_id, kind, ...):`"
-            )
-        return self.active
-
-    def check_regions(self, tokens: int) -> None:
-        """A compiled site reads a `tokens`-token shared region per row: every row of the forward must hold one."""
-        plan = self.require_active().plan
-        regions = plan.regions or [None] * len(plan.rows)
-        for r, region in enumerate(regions):
-            if region is None or region.tokens != tokens:
-                have = "no shared region" if region is None else f"a region of {region.tokens} tokens"
-                raise RequestError(
-                    f"a compiled cross-attention site reads a {tokens}-token shared region (its K/V came in as a region "
-                    f"stand-in) but row {r} of this {plan.kind} forward ({plan.owner_id!r}) holds {have}: admit the "
-                    "owner with runtime.admit(..., cross_kv=model.prepare_cross_kv(...)), or pass the dense cross K/V"
-                )
-
-    def check_layout(self, expect: families.Expectation | None) -> None:
-        """A compiled site's idiom must be one the active forward's owner's family accepts, and agree with the
-        owner (window, sink, prefix)."""
-        if expect is None:
-            return
-        for plan in self.require_active().plan.owner_plans():
-            owner = self.owner(plan.owner_id)
-            if owner is None:
-                continue
-            family = families.get(owner.family)
-            if not families.accepts(family, expect):
-                raise RequestError(
-                    f"a {expect.idiom!r} attention site ran inside a {owner.family} forward ({plan.owner_id!r}), "
-                    f"whose family accepts the idioms {[i.name for i in family.idioms]}: run this model's owners, "
-                    "or compile the model this owner belongs to"
-                )
-            family.check_expectation(expect, owner, plan)
-
-    def check_dense_mask(self, mask: torch.Tensor) -> None:
-        """Debug: the model's dense mask must allow exactly what the runtime's layout makes visible.
-
-        Each dense key column holds the logical position the plan says (`ForwardPlan.key_positions`);
-        without them the columns are the new tokens, after a cached prefix read as logical positions.
-        Boolean or additive masks.
-        """
-        plan = self.require_active().plan
-        masks = mask_rows(mask, len(plan.rows))
-        for r, row in enumerate(plan.rows):
-            keys = plan.key_positions[r] if plan.key_positions else None
-            if keys is None:
-                keys, cols = row.positions, masks[r].shape[-1]
-                if cols != row.num_tokens:  # [cached prefix | new tokens]: column j is logical j below the prefix
-                    first_new = int(row.positions[row.positions >= 0].min())
-                    cached = torch.arange(cols - row.num_tokens)
-                    keys = torch.cat([torch.where(cached < first_new, cached, -1), row.positions])
-            why = mask_disagreement(masks[r], row, keys)
-            if why:
-                raise RequestError(
-                    f"check_mask: row {r}'s dense mask disagrees with the runtime's layout at {why}: the request "
-                    "spec (prefix lengths, target length, full spans) does not describe this model's mask"
-                )
+    def require_active(self) -> ForwardContext:
+        """The forward in progress (what a compiled site checks, records and reads), or a clear error."""
+        return forward_context.require(self.active)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def admit(self, owner_id: str, spec: Any, rows: int | None = None, *,

@@ -9,6 +9,7 @@ leaves the state exactly as it was; a forward that fails is rolled back by `abor
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -23,6 +24,7 @@ from .families.base import ForwardPlan, Owner
 from .layout import RowLayout
 from .pool import KVPool
 from .regions import Region, SharedRegions
+from .reservations import Reservations
 
 __all__ = ["Scheduler", "ForwardPlan", "Owner"]
 
@@ -87,7 +89,6 @@ class Scheduler:
             )
         self.pool = pool
         self.allocator = allocator
-        pool.blocks_held = lambda: allocator.num_blocks - allocator.num_free  # FP8 set_scales refuses while > 0
         self.max_rows = max_rows
         self.max_sessions = max_sessions  # LRU cap on live owners of families with `evict_lru`
         self.owners: OrderedDict[str, Owner] = OrderedDict()  # LRU order: last used at the end
@@ -184,7 +185,7 @@ class Scheduler:
 
     @staticmethod
     def noun(owner: Owner) -> str:
-        return families.get(owner.family).noun
+        return owner.family.noun
 
     def _check_idle(self) -> None:
         if self.in_flight is not None:
@@ -192,58 +193,19 @@ class Scheduler:
                 f"a forward for {self.in_flight.owner_id!r} is still in flight; finish or abort it before changing state"
             )
 
-    def _committed(self, without: Owner | None = None, shared: Owner | None = None,
-                   new: tuple[int, int] = (0, 0)) -> int:
-        """Blocks per layer the pool may have to hold at once for the live owners and regions, whatever they do
-        next (forwards take blocks only within the owners' reservations and budgets). `without`: as if that owner
-        were released (an LRU eviction); `shared`: as if every block of that owner were shared (it is being forked);
-        `new`: (reservation, growth) of an owner about to join.
+    @property
+    def reservations(self) -> Reservations:
+        """The admission arithmetic over the live allocator, owners and regions (`reservations.py`)."""
+        return Reservations(self.allocator, self.owners, self.regions)
 
-        The smaller of two upper bounds, both always valid:
-        - the sum of the reservations and the region blocks: each owner holds at most its reservation (a fork
-          reserves its parent's: it may come to hold a window of its own), a shared block counted once;
-        - what is held now plus what each owner may still add: a fork with a budget takes at most its budget; any
-          other owner at most its reservation beyond the blocks it alone holds (a block it shares stays held by the
-          others even if it drops it). This one is what lets K forks that commit once fit beside their parent.
-        """
-        owners = [o for o in self.owners.values() if o is not without]
-        ending = self.regions.ending_with(without.owner_id) if without is not None else set()
-        freed = {b for r in self.regions.of(without.owner_id) if id(r) in ending for b in r.blocks} if ending else ()
-        reservations = sum(o.reserved for o in owners) + len(self.regions.blocks) - len(freed) + new[0]
-        used = self.allocator.num_blocks - self.allocator.num_free - (self._freed_by(without) if without else 0)
-        growth = sum(o.take_budget if o.take_budget is not None else
-                     max(o.reserved - (0 if o is shared else self._alone_held(o)), 0) for o in owners) + new[1]
-        return min(reservations, used + growth)
-
-    def _alone_held(self, owner: Owner) -> int:
-        """Managed blocks of `owner`'s rows that no other holder shares (refcount equals its own holds)."""
-        mine: dict[int, int] = {}
-        for row in owner.rows:
-            for b in row:
-                mine[b] = mine.get(b, 0) + 1
-        return sum(1 for b, n in mine.items() if self.allocator.refcount(b) == n)
+    def held_blocks(self) -> int:
+        """Managed blocks per layer held now: an FP8 pool refuses new scales while any is (`KVPool.set_scales`)."""
+        return self.reservations.held()
 
     def _check_reserved(self, what: str, need: int, victim: Owner | None, *, shared: Owner | None = None,
                         budget: int | None = None) -> None:
-        """Refuse an admission or fork of reservation `need` (a fork: its parent's; `budget`: what a fork with a
-        budget may take) that does not fit beside what the live owners may hold (`_committed`; `shared`: the owner
-        being forked).
-
-        While the committed total fits in the pool, no admitted owner ever waits for a block (issue 23: unreserved
-        sessions all committed once, then every commit failed for good)."""
-        pool = self.allocator.num_blocks
-        takes = need if budget is None else budget
-        committed = self._committed(victim, shared, (need, takes))
-        if committed > pool:
-            before = committed - takes  # what the others may hold beside it (with a fork: its parent's blocks shared)
-            raise CapacityError(
-                f"{what} reserves {takes} blocks per layer (the most it takes up to its reset, and its new shared "
-                f"regions) but only {max(pool - before, 0)} of the pool's {pool} are free to reserve (live "
-                f"sessions, requests and regions may hold {before}"
-                + (" even after evicting the least recently used session)" if victim is not None else ")")
-                + (": it can never fit; raise the pool budget" if takes > pool else
-                   ": retry after another one ends, or raise the pool budget (the family's runtime config reserves "
-                   "room for exactly N owners: sessions=N, requests=N)"))
+        """Refuse an admission or fork whose reservation does not fit (`Reservations.check`)."""
+        self.reservations.check(what, need, victim, shared=shared, budget=budget)
 
     def _release(self, owner: Owner, why: str) -> None:
         for row in owner.rows:
@@ -261,7 +223,7 @@ class Scheduler:
         (None when they fit, or the family is not LRU-evicted); `sparing` is never chosen (a fork's parent)."""
         if not family.evict_lru or self.max_sessions is None:
             return None
-        live = [o for o in self.owners.values() if o.family == family.name and o.owner_id != sparing]
+        live = [o for o in self.owners.values() if o.family is family and o.owner_id != sparing]
         if len(live) + room_for + (sparing is not None) <= self.max_sessions:
             return None
         if not live:
@@ -304,7 +266,8 @@ class Scheduler:
             taken = self.allocate_rows(counts)
         else:
             taken = self._admit_regions(owner_id, counts, reserved, requests, victim)
-        self.owners[owner_id] = Owner(owner_id, fam.name, spec, taken, serial=next(self._serials), reserved=reserved)
+        self.owners[owner_id] = Owner(owner_id, fam, spec, taken, state=fam.new_state(spec, rows),
+                                      serial=next(self._serials), reserved=reserved)
 
     def _admit_regions(self, owner_id: str, counts: list[int], reserved: int, requests, victim: Owner | None):
         """Admission with shared regions: the rows' blocks and the new regions' in one allocation, regions written
@@ -312,7 +275,7 @@ class Scheduler:
         ending = self.regions.ending_with(victim.owner_id) if victim is not None else set()
         plan = self.regions.resolve(self.pool, requests, ending)
         need = counts + plan.new_block_counts(self.block_size)
-        free = self.allocator.num_free + (self._freed_by(victim) if victim is not None else 0)
+        free = self.allocator.num_free + (self.reservations.freed_by(victim) if victim is not None else 0)
         if sum(need) > free:
             never = sum(need) > self.allocator.num_blocks
             raise CapacityError(
@@ -334,14 +297,6 @@ class Scheduler:
             raise
         return taken[: len(counts)]
 
-    def _freed_by(self, owner: Owner) -> int:
-        """How many blocks releasing `owner` would free: those it alone holds (rows and regions)."""
-        mine: dict[int, int] = {}
-        for blocks in [*owner.rows, *(r.blocks for r in self.regions.of(owner.owner_id))]:
-            for b in blocks:
-                mine[b] = mine.get(b, 0) + 1
-        return sum(1 for b, n in mine.items() if self.allocator.refcount(b) == n)
-
     def reset(self, owner_id: str) -> None:
         """Free every block of an owner's history; it stays admitted (e.g. a window reset)."""
         self._check_idle()
@@ -351,7 +306,7 @@ class Scheduler:
         owner.rows = [[] for _ in owner.rows]
         owner.version += 1
         self.sharing.discard(owner_id)
-        families.get(owner.family).history_dropped(owner)
+        owner.family.history_dropped(owner)
 
     def fork(self, parent_id: str, child_id: str, **args: Any) -> None:
         """A new owner `child_id` that shares every block of `parent_id` by reference count (no KV is copied).
@@ -364,7 +319,7 @@ class Scheduler:
         """
         self._check_idle()
         parent = self._get(parent_id)
-        fam = families.get(parent.family)
+        fam = parent.family
         state = fam.fork_state(parent, self, **args)
         budget = fam.fork_budget(parent, self, **args)
         self._check_new_id(child_id)
@@ -398,7 +353,6 @@ class Scheduler:
         self._check_idle()
         owner = self._get(owner_id)
         plan = self._plan_part(owner, kind, args, first_row=0)
-        plan.regions = self._plan_regions(plan)
         self.owners.move_to_end(owner_id)
         self.in_flight = plan
         return plan
@@ -432,10 +386,11 @@ class Scheduler:
                 )
 
     def _plan_part(self, owner: Owner, kind: str, args: dict, first_row: int) -> ForwardPlan:
-        """One owner's plan by its family, its rows starting at forward row `first_row`; checked never to write a
-        block another owner shares or a region's. A refused plan gives back what it took."""
+        """One owner's plan by its family, its rows starting at forward row `first_row`, with the shared region each
+        row reads; checked never to write a block another owner shares or a region's. A refused plan gives back
+        what it took."""
         source = self if first_row == 0 and owner.take_budget is None else _PlanningFor(self, owner, first_row)
-        plan = families.get(owner.family).plan(owner, source, kind, **args)
+        plan = owner.family.plan(owner, source, kind, **args)
         if owner.owner_id in self.sharing or self.regions.blocks:  # 10-20 us per row on the host: only when shared
             try:
                 self._check_writes(plan)
@@ -443,7 +398,8 @@ class Scheduler:
                 for new in plan.new_blocks:
                     self.free(new)
                 raise
-        return plan
+        regions = self._plan_regions(plan)
+        return plan if regions is None else dataclasses.replace(plan, regions=regions)  # a plan is never edited
 
     def plan_batch(self, items: Sequence[tuple]) -> ForwardPlan:
         """One forward carrying the rows of several owners at the same phase; it is then in flight.
@@ -492,18 +448,16 @@ class Scheduler:
         if twice:
             raise RequestError(f"{twice} appear more than once in one batched forward; a batch carries an owner once")
         owners = [self._get(oid) for oid in ids]
-        if len({o.family for o in owners}) > 1 or len({kind for _, kind, _ in parsed}) > 1:
+        if len({o.family.name for o in owners}) > 1 or len({kind for _, kind, _ in parsed}) > 1:
             raise RequestError(
                 "a batched forward carries owners of one family at one phase; got "
-                + ", ".join(f"{oid!r} ({o.family} {kind})" for (oid, kind, _), o in zip(parsed, owners))
+                + ", ".join(f"{oid!r} ({o.family.name} {kind})" for (oid, kind, _), o in zip(parsed, owners))
                 + ": plan the others in their own forward"
             )
         return [(owner, kind, args) for owner, (_, kind, args) in zip(owners, parsed)]
 
     def _joined(self, parts: list[ForwardPlan]) -> ForwardPlan:
         """One forward plan over the parts' rows in order; finishing or rolling it back applies every part."""
-        for part in parts:
-            part.regions = self._plan_regions(part)
         regions = ([g for p in parts for g in (p.regions or [None] * len(p.rows))]
                    if any(p.regions for p in parts) else None)
         keys = tuple(p.key for p in parts)
@@ -520,7 +474,7 @@ class Scheduler:
         self.check_in_flight(plan)
         for part in plan.owner_plans():
             owner = self.owners[part.owner_id]
-            families.get(owner.family).finish(owner, part, self)
+            owner.family.finish(owner, part, self)
             owner.phases_done.add(part.kind)
             if owner.take_budget is not None:
                 owner.take_budget -= sum(len(new) for new in part.new_blocks)

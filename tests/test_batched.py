@@ -90,7 +90,7 @@ def test_batched_forward_failure_rolls_back_every_owner():
     assert_refcounts_exact(rt)
     with rt.forward_batch([("a", "commit"), ("b", "commit"), ("a2", "commit")]):
         pass
-    assert all(rt.scheduler.owners[sid].state["commits"] == [3, 3] for sid in ("a", "b", "a2"))
+    assert all(rt.scheduler.owners[sid].state.commits == [3, 3] for sid in ("a", "b", "a2"))
     assert_refcounts_exact(rt)
     assert rt.scheduler.owners["a"].phases_done == {"commit"}
 
@@ -186,9 +186,9 @@ def test_batched_forward_checks_every_owner_against_the_compiled_site():
     rt = make_dz_runtime(sessions=2, max_rows=4)
     rt.admit("a", SPEC)
     rt.admit("b", DreamZeroSpec.from_model_config(CFG.__class__(**{**CFG.__dict__, "sink_size": 0})))
-    from paged_kv_compile.passes.idioms import WindowExpect
+    from paged_kv_compile.passes.idioms import WINDOW, WindowExpect
     expect = WindowExpect(window_tokens=SPEC.window_tokens, sink_tokens=SPEC.sink_tokens,
                           chunk_tokens=SPEC.chunk_tokens, action_tokens=SPEC.action_tokens)
     with rt.forward_batch([("a", "denoise"), ("b", "denoise")]):
         with pytest.raises(RequestError, match="session 'b' disagree on sink_tokens"):
-            rt.check_layout(expect)
+            rt.require_active().check_expectation(expect, WINDOW)

@@ -127,7 +127,7 @@ def _dreamzero_forward_inputs(model, runtime, seed: int = 0):
 
 
 def test_a_session_whose_sink_disagrees_with_the_compiled_site_is_refused_on_the_captured_path():
-    """Refused uncaptured (check_layout) and now also captured, before the replay; before the fix the replay ran
+    """Refused uncaptured (check_expectation) and now also captured, before the replay; before the fix the replay ran
     every block of every forward to completion with 0 checks."""
     model, runtime, _ = _dreamzero()
     inputs = _dreamzero_forward_inputs(model, runtime)
@@ -168,7 +168,7 @@ def test_blocks_rebound_after_capture_are_refused_on_the_captured_path():
 
 def test_a_forward_without_the_shared_region_its_graph_reads_is_refused_on_the_captured_path():
     """The compiled cross-attention reads each row's shared region (it was handed a region stand-in): a session
-    opened without cross K/V holds none, and is refused captured as uncaptured (`check_regions`)."""
+    opened without cross K/V holds none, and is refused captured as uncaptured (`ForwardContext.check_regions`)."""
     model, runtime, _ = _dreamzero(cross_regions=2)
     latents, actions, t, start, caches, cross = _dreamzero_forward_inputs(model, runtime)
     standins = [runtime.region_standin(2, 2, DZ_CFG.cross_len, DZ_CFG.num_heads, DZ_CFG.head_dim)] * DZ_CFG.num_layers

@@ -20,7 +20,7 @@ from paged_kv_compile import ConfigError, PagedKVConfig, PassError, RequestError
 from paged_kv_compile.driver import paged_run
 from paged_kv_compile.families.base import Family
 from paged_kv_compile.models.hooks import DenseHooks, drive
-from paged_kv_compile.passes.idioms import Idiom, PrefixExpect, WindowExpect
+from paged_kv_compile.passes.idioms import WINDOW, Idiom, PrefixExpect, WindowExpect
 from paged_kv_compile.runtime import PagedKVRuntime
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "no_grad")
@@ -123,9 +123,10 @@ def test_a_site_of_an_idiom_the_owners_family_does_not_accept_is_refused(toy_fam
     with rt.forward("seq", "prefill"):
         with pytest.raises(RequestError, match=r"a 'window' attention site ran inside a toy_decoder forward \('seq'\), "
                                                r"whose family accepts the idioms \['causal-append'\]"):
-            rt.check_layout(WindowExpect(window_tokens=8, sink_tokens=0, chunk_tokens=4, action_tokens=0))
+            rt.require_active().check_expectation(
+                WindowExpect(window_tokens=8, sink_tokens=0, chunk_tokens=4, action_tokens=0), WINDOW)
         with pytest.raises(RequestError, match="reads 12 cache columns but sequence 'seq' has capacity 16"):
-            rt.check_layout(toy_decoder.AppendExpect(12))
+            rt.require_active().check_expectation(toy_decoder.AppendExpect(12), CAUSAL_APPEND)
 
 
 def test_expectations_are_frozen_and_typed():

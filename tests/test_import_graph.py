@@ -111,7 +111,7 @@ GENERIC = ("paged_kv_compile.runtime", "paged_kv_compile.scheduler", "paged_kv_c
            "paged_kv_compile.driver", "paged_kv_compile.cli", "paged_kv_compile.demo")
 FAMILY_MODULES = ("paged_kv_compile.families.", "paged_kv_compile.models.", "paged_kv_compile.adapters")
 #: what a generic layer may import from those: the registry's base class and the loops' hooks seam (no model)
-GENERIC_SEAMS = ("paged_kv_compile.families.base", "paged_kv_compile.models.hooks")
+GENERIC_SEAMS = ("paged_kv_compile.families.base", "paged_kv_compile.families.demo", "paged_kv_compile.models.hooks")
 GENERIC_FILES = ["runtime.py", "scheduler.py", "driver.py", "cli.py", "demo.py", *(f"capture/{p.name}" for p in
                                                             sorted((ROOT / "capture").glob("*.py")))]
 FAMILY_WORDS = ("dreamzero", "hunyuan")
@@ -158,8 +158,13 @@ def test_the_family_word_check_finds_a_family_name():
     # the dense reference models know nothing of paging
     ("paged_kv_compile.models", ("paged_kv_compile.models",)),
     # warm-up and capture hold no family knowledge: they reach a model only through families/
+    # (and the forward in progress only through the one object compiled code talks to: forward_context)
     ("paged_kv_compile.capture", ("paged_kv_compile.capture", "paged_kv_compile.families", "paged_kv_compile.binding",
-                                  "paged_kv_compile.config", "paged_kv_compile.errors")),
+                                  "paged_kv_compile.config", "paged_kv_compile.errors",
+                                  "paged_kv_compile.forward_context")),
+    # the per-forward object knows the plan's records and layouts, never the runtime, scheduler or a family module
+    ("paged_kv_compile.forward_context", ("paged_kv_compile.config", "paged_kv_compile.errors",
+                                          "paged_kv_compile.layout")),
     # the structural reading of a site (graph helpers <- tag execution <- provenance <- writes <- site) and the
     # idioms know no family, runtime or metadata
     ("paged_kv_compile.passes.graph", ()),
@@ -181,3 +186,93 @@ def test_layers_import_only_what_they_may(layer, allowed):
            for m, deps in _layer(layer).items()}
     bad = {m: d for m, d in bad.items() if d}
     assert not bad, f"{layer} imports outside its layer: {bad}"
+
+
+def test_the_passes_import_no_family_registry():
+    """The passes are handed the idioms they match (`rewrite(..., idioms=...)`, from the backend): a compile does not
+    depend on whatever the registry holds when dynamo runs them, and no import runs back up the layers."""
+    bad = {m: sorted(d for d in deps if d == "paged_kv_compile.families" or d.startswith("paged_kv_compile.families."))
+           for m, deps in _layer("paged_kv_compile.passes").items()}
+    bad = {m: d for m, d in bad.items() if d}
+    assert not bad, f"passes/ imports the family registry: {bad}"
+
+
+def test_the_registry_check_finds_a_planted_import(tmp_path):
+    """The check above reads real edges: a module that imports the registry is one it would report."""
+    planted = tmp_path / PACKAGE / "passes" / "planted.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("from .. import families\n")
+    modules = {f"{PACKAGE}.families", f"{PACKAGE}.passes.planted"}
+    old_root = ROOT
+    try:
+        globals()["ROOT"] = tmp_path / PACKAGE
+        assert _imports(planted, modules) == {f"{PACKAGE}.families"}
+    finally:
+        globals()["ROOT"] = old_root
+
+
+def _module_names(tree: ast.AST, modules: set[str], package: str) -> set[str]:
+    """Local names bound to a module by an import (`import torch`, `import a.b as c`, `from . import mod`)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            names.update(a.asname or a.name for a in node.names if f"{target}.{a.name}" in modules)
+    return names
+
+
+def module_attribute_assignments(source: str, modules: set[str] = frozenset(), package: str = PACKAGE) -> list[str]:
+    """`mod.attr = ...` (and `+=`, `del`, `setattr(mod, ...)`) where `mod` names an imported module: one module
+    changing another's state behind its back (a monkey-patch)."""
+    tree = ast.parse(source)
+    names = _module_names(tree, modules, package)
+    found = []
+
+    def base(target: ast.AST) -> str | None:
+        while isinstance(target, ast.Attribute):
+            target = target.value
+        return target.id if isinstance(target, ast.Name) and target.id in names else None
+
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+              and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in names):
+            found.append(f"line {node.lineno}: {node.func.id}({node.args[0].id}, ...)")
+        for target in targets:
+            if isinstance(target, ast.Attribute) and base(target):
+                found.append(f"line {node.lineno}: {ast.unparse(target)}")
+    return sorted(found, key=lambda hit: int(hit.split()[1].rstrip(":")))
+
+
+def test_no_module_assigns_another_modules_attributes():
+    """A module's state is changed through its functions, never by another module assigning to it."""
+    paths = sorted(ROOT.rglob("*.py"))
+    modules = {_module_name(p) for p in paths}
+    bad = {}
+    for path in paths:
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        hits = module_attribute_assignments(path.read_text(), modules, package)
+        if hits:
+            bad[str(path.relative_to(ROOT))] = hits
+    assert not bad, f"modules assign other modules' attributes: {bad}"
+
+
+def test_the_assignment_check_finds_planted_ones():
+    modules = {f"{PACKAGE}.ops", f"{PACKAGE}.ops.write_attend"}
+    planted = ("import torch\nfrom .ops import write_attend as op\n"
+               "torch._dynamo.config.cache_size_limit = 64\nop.CALLS += 1\nsetattr(op, 'X', 1)\ndel op.Y\n")
+    assert module_attribute_assignments(planted, modules, PACKAGE) == [
+        "line 3: torch._dynamo.config.cache_size_limit", "line 4: op.CALLS", "line 5: setattr(op, ...)",
+        "line 6: op.Y"]
+    clean = "import torch\nx = torch.zeros(1)\nx.data = torch.ones(1)\nself_attr = 1\n"
+    assert module_attribute_assignments(clean, modules, PACKAGE) == []

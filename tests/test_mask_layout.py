@@ -297,7 +297,7 @@ def _step_cases(rng: random.Random, n: int):
 
 @pytest.mark.parametrize("block", [1 << 19, 5])
 def test_step_mask_check_matches_full_comparison(monkeypatch, block):
-    """`mask_disagreement` (the step mask check, `runtime.check_dense_mask`) from counts names the same first
+    """`mask_disagreement` (the step mask check, `ForwardContext.check_dense_mask`) from counts names the same first
     disagreeing (query, key) as the full comparison, or none."""
     monkeypatch.setattr(layout, "_BLOCK_ELEMENTS", block)
     agree = differ = 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paged_kv_compile import CapacityError, families
+from paged_kv_compile import CapacityError
 from paged_kv_compile.allocator import BuiltinAllocator
 from paged_kv_compile.distributed import ParallelConfig, RankRuntime
 from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
@@ -90,7 +90,7 @@ def test_multirank_a_rank_that_faults_part_way_through_a_lifecycle_call_is_resto
     def fault(_owner):
         raise RuntimeError("injected: the family's records could not be updated")
 
-    monkeypatch.setattr(type(families.get(owner.family)), "history_dropped", lambda self, o: fault(o))
+    monkeypatch.setattr(type(owner.family), "history_dropped", lambda self, o: fault(o))
     _refuse_second_vote(ranks, monkeypatch)
     with pytest.raises(RuntimeError, match="injected"):
         ranks.reset("s")

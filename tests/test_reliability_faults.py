@@ -110,7 +110,7 @@ def owned_kv(rt: PagedKVRuntime) -> dict[str, torch.Tensor]:
     for oid, owner in rt.scheduler.owners.items():
         slots = []
         for r, row in enumerate(owner.rows):
-            if owner.family == "dreamzero":
+            if owner.family.name == "dreamzero":
                 valid = len(row) * B
             else:
                 valid = owner.spec.prefix_lens[r] if "prefill" in owner.phases_done else 0

@@ -281,7 +281,7 @@ class Lifecycles(RuleBasedStateMachine):
         self._refused(lambda: self.rt.admit(self._new_id(), HunyuanSpec(tuple(prefixes), target_len)))
 
     def _live(self, family):
-        return [o for o, v in self.rt.scheduler.owners.items() if v.family == family]
+        return [o for o, v in self.rt.scheduler.owners.items() if v.family.name == family]
 
     @precondition(lambda self: self._live("dreamzero"))
     @rule(data=st.data(), commit=st.booleans(), fail=st.booleans())
@@ -313,7 +313,7 @@ class Lifecycles(RuleBasedStateMachine):
     @rule(data=st.data(), how=st.sampled_from(["abort", "finish", "reset"]))
     def end(self, data, how):
         oid = data.draw(st.sampled_from(list(self.rt.scheduler.owners)))
-        family = self.rt.scheduler.owners[oid].family
+        family = self.rt.scheduler.owners[oid].family.name
         if how == "abort":
             self.rt.abort(oid)
         elif family == "dreamzero":

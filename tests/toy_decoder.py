@@ -148,6 +148,13 @@ class DecodeSpec:
     rows: int = 1
 
 
+@dataclass(frozen=True)
+class DecodeRecord:
+    """What a sequence keeps beyond its blocks (`Owner.state`): how many tokens it holds."""
+
+    filled: int
+
+
 class ToyDecoderFamily(Family):
     """Causal decoding: the prefill writes the prompt, each decode step appends one token; all kept."""
 
@@ -168,9 +175,12 @@ class ToyDecoderFamily(Family):
             raise RequestError(f"prompt {spec.prompt_len} + {spec.max_new} new tokens exceed capacity {spec.capacity}")
         return [ceil_div(spec.prompt_len + spec.max_new, blocks.block_size)] * rows  # the whole sequence, up front
 
+    def new_state(self, spec: DecodeSpec, rows: int) -> DecodeRecord:
+        return DecodeRecord(0)
+
     def plan(self, owner: Owner, blocks: BlockSource, kind: str, **args: Any) -> ForwardPlan:
         spec: DecodeSpec = owner.spec
-        filled = owner.state.get("filled", 0)
+        filled = owner.state.filled
         if kind not in self.kinds or (kind == "prefill") != (filled == 0):
             raise RequestError(f"sequence {owner.owner_id!r} holds {filled} tokens: its next forward is "
                                f"{'prefill' if filled == 0 else 'decode'}, not {kind!r}")
@@ -180,10 +190,10 @@ class ToyDecoderFamily(Family):
         positions = np.arange(filled, filled + count, dtype=np.int32)
         layouts = [RowLayout.build(row, [], positions, positions + 1, filled + count) for row in owner.rows]
         return ForwardPlan(owner.owner_id, kind, layouts, count, spec.capacity, keeps_kv=True,
-                           state={"filled": filled + count})
+                           state=DecodeRecord(filled + count))
 
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
-        owner.state.update(plan.state)
+        owner.state = plan.state
         owner.version += 1
 
     def check_expectation(self, expect: AppendExpect, owner: Owner, plan: ForwardPlan) -> None:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from .. import binding, families
+from .. import binding, families, forward_context
 from ..config import Bucket
 from ..errors import CaptureError, ConfigError, RequestError
 from .calls import record_calls
@@ -41,14 +41,14 @@ def model_blocks_and_inputs(model, runtime) -> tuple[torch.nn.ModuleList, Exampl
 class _CapturedBlock(torch.nn.Module):
     """Stands in a ModuleList for one compiled block; its parameters are the block's own."""
 
-    def __init__(self, owner: "CapturedBlocks", index: int, block: torch.nn.Module) -> None:
+    def __init__(self, captured: "CapturedBlocks", index: int, block: torch.nn.Module) -> None:
         super().__init__()
         self.block = block
-        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_captured", captured)
         object.__setattr__(self, "_index", index)
 
     def forward(self, *args, **kwargs):
-        return self._owner._call(self._index, args, kwargs)
+        return self._captured._call(self._index, args, kwargs)
 
     def __getattr__(self, name: str):
         try:
@@ -310,7 +310,7 @@ class CapturedBlocks:
         return self._call(index, args, kwargs)
 
     def _call(self, index: int, args: tuple, kwargs: dict):
-        active = self.runtime.require_active()
+        active = forward_context.require(self.runtime.active)
         bucket = active.bucket
         state = self._states.get(bucket)
         if state is None:
@@ -330,7 +330,7 @@ class CapturedBlocks:
         if state.graphs:
             layers = self._host_checks(state.calls[index])  # on the static buffers, which now hold this call
             state.graphs[index].replay()
-            self.runtime.record_layers(layers)  # the compiled function's Python did not run: record what it served
+            active.record_layers(layers)  # the compiled function's Python did not run: record what it served
             self.stats["replays"] += 1
             return pytree.tree_map(copy_out, state.outputs[index])
         self.stats["direct_calls"] += 1
@@ -355,7 +355,7 @@ class CapturedBlocks:
             return self._fallback(index, state.bucket, args, kwargs, f"block {index}'s call for {state.bucket}: {why}",
                                   "call the blocks exactly as the model's loop does at warm-up")
         out, layers = graph.serve(index)
-        self.runtime.record_layers(layers)
+        self.runtime.active.record_layers(layers)
         self.stats["forward_served"] += 1
         return out
 

@@ -48,12 +48,11 @@ from .parallel_config import ParallelConfig
 from .snapshot import LifecycleSnapshot
 
 #: PagedKVRuntime members a RankRuntime passes through: they read state, or bind and hand out stand-ins
-#: (identical on every rank), or are what compiled sites call during the agreed forward.
+#: (identical on every rank). Compiled sites talk to the agreed forward itself (`active`, a ForwardContext).
 _PASS_THROUGH = frozenset({
     "config", "pool", "scheduler", "metadata", "active", "generation", "bucket_misses", "bind", "standin",
-    "region_standin", "is_standin", "bucket_for", "allow_unconfigured_buckets", "warmup_forward", "record_layers",
-    "require_active", "check_regions", "check_layout", "check_dense_mask", "owner", "owner_ids", "regions_of",
-    "state", "close",
+    "region_standin", "is_standin", "bucket_for", "allow_unconfigured_buckets", "warmup_forward", "owner",
+    "owner_ids", "regions_of", "state", "close",
 })
 #: state-changing members that would bypass the vote
 _REFUSED = frozenset({"plan", "forward_plan"})
@@ -155,7 +154,7 @@ class RankRuntime:
         """What every rank must share: the call counter, owners in LRU order with family, rows, version, phases and
         admission serial."""
         sched = self.runtime.scheduler
-        owners = tuple((o.owner_id, o.family, o.num_rows, o.version, tuple(sorted(o.phases_done)), o.serial)
+        owners = tuple((o.owner_id, o.family.name, o.num_rows, o.version, tuple(sorted(o.phases_done)), o.serial)
                        for o in sched.owners.values())
         return digest(self.calls, owners, sched.in_flight is not None)
 

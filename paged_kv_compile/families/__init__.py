@@ -104,9 +104,9 @@ def accepted_idioms() -> list[tuple[Idiom, list[str]]]:
     return list(out.values())
 
 
-def accepts(family: Family, expect: Expectation) -> bool:
-    """Whether owners of `family` may run a site compiled with `expect` (its idiom is one the family lists)."""
-    return any(idiom.name == expect.idiom for idiom in family.idioms)
+def accepts(family: Family, idiom: Idiom | None) -> bool:
+    """Whether owners of `family` may run a site of `idiom` (`Family.accepts`: by identity, never by name)."""
+    return family.accepts(idiom)
 
 
 __all__ = [

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
 from ..config import Bucket, PagedKVConfig
 from ..errors import RequestError
 from ..layout import RowLayout
+from ..passes.idioms import Expectation, Idiom
+
+if TYPE_CHECKING:
+    from .demo import Demo
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -49,12 +53,13 @@ class Owner:
     """A live session or request: one list of managed block ids per row (CFG row)."""
 
     owner_id: str
-    family: str  # the family's registry name
+    family: Family  # the family that plans, finishes and checks its forwards
     spec: Any  # the family's spec (e.g. DreamZeroSpec)
     rows: list[list[int]]
     version: int = 0  # bumped whenever the blocks or the family's layout records change: keys the caches
     phases_done: set[str] = field(default_factory=set)  # forward kinds that finished (e.g. "prefill")
-    state: dict[str, Any] = field(default_factory=dict)  # the family's own per-owner records (e.g. a layout)
+    #: the family's own per-owner record (a dataclass the family defines: `Family.new_state`), e.g. a layout
+    state: Any = None
     layout_cache: tuple | None = None  # (key, value) of the last repeatable plan's layouts (`reuse_layouts`)
     #: unique for the runtime's life (an admission counter, never reused, unlike ids): cache keys name the owner
     #: by it, so a key can never match another owner's build (issue 23: an id reused after the finished-id memory
@@ -71,9 +76,11 @@ class Owner:
         return len(self.rows)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class ForwardPlan:
-    """What one forward does: per-row layouts, blocks taken for it, and the metadata cache key."""
+    """What one forward does: per-row layouts, blocks taken for it, and the metadata cache key.
+
+    Complete when made, never edited after (frozen; a plan is compared by identity: `Scheduler.in_flight`)."""
 
     owner_id: str
     kind: str
@@ -85,14 +92,15 @@ class ForwardPlan:
     keeps_kv: bool = False  # its K/V is kept (a commit, a prefill): every layer must run, or it is rolled back
     phase: dict = field(default_factory=dict)  # the family's per-forward geometry (DreamZero: chunk/action tokens)
     #: per row, the logical position each dense key column of the model's mask holds (-1: padding); None: the
-    #: columns are [cached prefix | new tokens] (check_dense_mask)
+    #: columns are [cached prefix | new tokens] (`ForwardContext.check_dense_mask`)
     key_positions: list[torch.Tensor] | None = None
-    state: dict[str, Any] = field(default_factory=dict)  # what the family's `finish` records on the owner
+    state: Any = None  # what the family's `finish` records on the owner (its own record type), None: nothing
     #: a batched forward (`Scheduler.plan_batch`): the plan of each owner whose rows it carries, in row order
     parts: list["ForwardPlan"] = field(default_factory=list)
     #: which of the owner's rows each forward row is (None: rows 0..n-1), e.g. a DreamZero branch plan's [b]
     owner_rows: list[int] | None = None
-    #: per forward row, the shared write-once region (`regions.Region`) it reads, or None (set by the scheduler)
+    #: per forward row, the shared write-once region (`regions.Region`) it reads, or None (the scheduler makes the
+    #: family's plan with them: `Scheduler._plan_part`)
     regions: list[Any] | None = None
 
     def owner_plans(self) -> list["ForwardPlan"]:
@@ -126,6 +134,18 @@ class BlockSource(Protocol):
         ...
 
 
+class ModelRuntime(Protocol):
+    """What a family's model side reads of the runtime it runs on (`PagedKVRuntime` is one; typed here so that a
+    family imports no runtime): its config, and the cache stand-ins it hands the dense model."""
+
+    @property
+    def config(self) -> PagedKVConfig: ...
+
+    def standin(self, *shape: int, writable: bool = False) -> torch.Tensor: ...
+
+    def region_standin(self, *shape: int) -> torch.Tensor: ...
+
+
 def reuse_layouts(owner: Owner, key: tuple, make: Callable[[], Any]) -> Any:
     """The row layouts (and whatever else `make` returns) of the owner's last plan with this `key`, or `make()`'s,
     then remembered.
@@ -141,21 +161,6 @@ def reuse_layouts(owner: Owner, key: tuple, make: Callable[[], Any]) -> Any:
     return value
 
 
-@runtime_checkable
-class Expectation(Protocol):
-    """What a compiled attention site assumes about the forward it runs in (a frozen dataclass per idiom).
-
-    Built by an idiom's matcher from the graph (`passes/idioms/`), checked against the live plan at every call
-    (`PagedKVRuntime.check_layout`): the owner's family must accept `idiom`, then checks the rest.
-    `context` is the dense cache length the site was compiled for.
-    """
-
-    idiom: str
-
-    @property
-    def context(self) -> int: ...
-
-
 class Family(abc.ABC):
     """One model family's KV-cache knowledge; see the module docstring.
 
@@ -164,7 +169,7 @@ class Family(abc.ABC):
     shared regions) or does nothing (a history reset).
     """
 
-    name: str  # registry key, also `Owner.family`
+    name: str  # registry key
     noun: str  # "session" or "request", for messages
     spec_type: type
     evict_lru: bool  # whether the runtime's max_sessions LRU cap applies to this family's owners
@@ -172,6 +177,18 @@ class Family(abc.ABC):
     idioms: tuple = ()
 
     REQUIRED_ATTRIBUTES = ("name", "noun", "spec_type", "evict_lru", "idioms")
+
+    def __deepcopy__(self, memo: dict) -> "Family":
+        """A family is a stateless singleton that records (`Owner.family`) point at: a copied record (a saved
+        scheduler state) points at the same family."""
+        return self
+
+    def __copy__(self) -> "Family":
+        return self
+
+    def accepts(self, idiom: Idiom | None) -> bool:
+        """Whether this family's owners may run a site of `idiom` (one of the very objects listed here)."""
+        return any(mine is idiom for mine in self.idioms)
 
     # ---- admission and forwards (called by the scheduler) ----
     @abc.abstractmethod
@@ -196,13 +213,18 @@ class Family(abc.ABC):
         """Raise RequestError when a compiled site's expectation disagrees with the owner's spec or the plan.
         Called only for sites of an idiom this family accepts."""
 
+    def new_state(self, spec: Any, rows: int) -> Any:
+        """The record an owner of `spec` starts with (`Owner.state`): a dataclass this family defines for what it
+        keeps beyond the blocks (e.g. a layout read once). Default None: it keeps nothing."""
+        return None
+
     def reserve(self, spec: Any, rows: int, blocks: BlockSource) -> int:
         """The most managed blocks per layer an owner of `spec` holds at once up to its reset (commits included):
-        admission reserves it (`Scheduler._check_reserved`), so an admitted owner never waits for blocks another
+        admission reserves it (`Reservations.check`), so an admitted owner never waits for blocks another
         holds. Default 0: the owner reserves just what `admission_blocks` takes."""
         return 0
 
-    def fork_state(self, owner: Owner, blocks: BlockSource, **args: Any) -> dict[str, Any]:
+    def fork_state(self, owner: Owner, blocks: BlockSource, **args: Any) -> Any:
         """The child's `Owner.state` for a fork of `owner`, or RequestError when it cannot be forked now (`args`:
         what `runtime.fork` was given beyond the ids, e.g. a budget).
 
@@ -245,7 +267,7 @@ class Family(abc.ABC):
         Default: the same (caches written in place); a family whose model returns grown caches says which."""
         return caches
 
-    def loop_arguments(self, runtime: Any, spec: Any, loop: dict[str, Any]) -> dict[str, Any]:
+    def loop_arguments(self, runtime: ModelRuntime, spec: Any, loop: dict[str, Any]) -> dict[str, Any]:
         """The loop arguments a paged run uses on `runtime` (e.g. a padded capacity its buckets serve); called
         before admission, so a request no bucket can serve is refused while it holds nothing."""
         return loop
@@ -255,19 +277,19 @@ class Family(abc.ABC):
         """Buckets warm-up uses when none are configured (None: the family needs them configured)."""
 
     @abc.abstractmethod
-    def example_inputs(self, model: torch.nn.Module, runtime: Any, bucket: Bucket) -> tuple[tuple, dict]:
+    def example_inputs(self, model: torch.nn.Module, runtime: ModelRuntime, bucket: Bucket) -> tuple[tuple, dict]:
         """(args, kwargs) of one block call of `bucket`, as the model's own forward passes them."""
 
     @abc.abstractmethod
-    def standin_caches(self, runtime: Any, model: torch.nn.Module, batch: int, **geometry: Any) -> list:
+    def standin_caches(self, runtime: ModelRuntime, model: torch.nn.Module, batch: int, **geometry: Any) -> list:
         """Per layer what the dense model gets instead of its cache (`runtime.standin`)."""
 
-    def region_standins(self, runtime: Any, model: torch.nn.Module, batch: int) -> list:
+    def region_standins(self, runtime: ModelRuntime, model: torch.nn.Module, batch: int) -> list:
         """Per layer what the model gets instead of K/V it reads from shared write-once regions. Default: none."""
         raise RequestError(f"{self.name} models read no shared write-once regions")
 
-    def demo(self, size: str, *, short: bool, device: str, **runtime_options: Any) -> "Demo | None":
-        """The `paged-kv demo` scene of this family (`Demo`), or None when it has none."""
+    def demo(self, size: str, *, short: bool, device: str, **runtime_options: Any) -> Demo | None:
+        """The `paged-kv demo` scene of this family (`families.demo.Demo`), or None when it has none."""
         return None
 
 
@@ -279,55 +301,3 @@ def missing_members(family: Any) -> list[str]:
     if abstract is None or not issubclass(cls, Family):
         abstract = {n for n in Family.__abstractmethods__ if not callable(getattr(cls, n, None))}
     return missing + sorted(abstract)
-
-
-@dataclass
-class DemoLane:
-    """One owner of the demo's scene: its family's loop (`Family.steps(model, hooks, **loop)`) run for `forwards`
-    forwards, then left where it stands (holding what it holds) while the others run."""
-
-    owner_id: str
-    what: str  # where it stands then, in words ("half-full window: 4 of 8 frames")
-    loop: dict
-    forwards: int
-
-
-@dataclass
-class DemoForks:
-    """Forks of one lane's owner (`runtime.fork`) whose rows run together as ONE forward per step.
-
-    `steps(model, hooks)` is the forks' loop as a step generator over all their rows (fork i: rows
-    `i * rows_per_fork ...`); it asks `hooks.caches(model, rows)` once: the paged side hands it stand-ins, the
-    dense side `copy_dense_caches(parent_caches, len(children))`, the copies a dense system makes to fork."""
-
-    parent: str
-    children: list[str]
-    what: str
-    steps: Callable[[torch.nn.Module, Any], Any]
-    copy_dense_caches: Callable[[Any, int], Any]
-    fork_args: dict = field(default_factory=dict)  # `runtime.fork`'s family arguments (e.g. a budget: commits=1)
-
-
-@dataclass
-class Demo:
-    """What `paged-kv demo` (and `warmup`, `dump`) run for one family: a reference model, its runtime config, the
-    parity loops and a scene of several owners that shows where paging pays.
-
-    loops: keyword arguments of whole loops (`driver.paged_run` / `Family.steps`), one owner each: the parity
-    oracle, dense eager vs paged; `compare(dense_result, paged_result)` is their max abs difference.
-    `compare_rows(dense, paged)` is the same per row for one forward's result (what the loop reads of it).
-    `dense_kv_bytes(caches)` is what a dense loop's caches (`Family.dense_caches_after`) reserve, per row.
-    """
-
-    describe: str  # the model, in words
-    make_model: Callable[[], torch.nn.Module]  # the same weights at every call
-    runtime_config: PagedKVConfig
-    loops: list[dict]
-    loops_describe: str  # the parity loops, in words
-    dense_baseline: str  # what the dense caches of the scene are, in one line (what a dense system reserves)
-    compare: Callable[[Any, Any], float]
-    compare_rows: Callable[[Any, Any], torch.Tensor]
-    dense_kv_bytes: Callable[[Any], list[int]]
-    lanes: list[DemoLane] = field(default_factory=list)
-    forks: DemoForks | None = None
-    info: dict = field(default_factory=dict)

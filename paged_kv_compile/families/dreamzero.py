@@ -23,10 +23,19 @@ from ..layout import RowLayout
 from ..models.dreamzero import DREAMZERO_MID, DreamZeroConfig, DreamZeroModel, dreamzero_steps
 from ..models.hooks import Forward
 from ..passes.idioms import CAPACITY_WINDOW, ROLLING_CACHE, WINDOW, CapacityWindowExpect, RollingExpect, WindowExpect
-from .base import (BlockSource, Demo, DemoForks, DemoLane, Family, ForwardPlan, Owner, ceil_div, pool_config,
-                   reuse_layouts)
+from .base import BlockSource, Family, ForwardPlan, ModelRuntime, Owner, ceil_div, pool_config, reuse_layouts
+from .demo import Demo, DemoForks, DemoLane
 
 NAME = "dreamzero"
+
+
+@dataclass
+class DreamZeroRecord:
+    """What a session keeps beyond its blocks (`Owner.state`): per row, the chunks committed since the last window
+    reset (a fork needs every row at the same chunk boundary)."""
+
+    commits: list[int]
+
 KINDS = ("commit", "denoise")
 
 
@@ -312,13 +321,16 @@ class DreamZeroFamily(Family):
             if evicted:
                 blocks.free(evicted)
             owner.rows[r] = kept
-        commits = owner.state.setdefault("commits", [0] * owner.num_rows)
+        commits = owner.state.commits
         for r, new in enumerate(plan.new_blocks):
             commits[r] += bool(new)
         owner.version += 1
 
     # ---- forks ----------------------------------------------------------------------------------
-    def fork_state(self, owner: Owner, blocks: BlockSource, *, commits: int | None = None) -> dict[str, Any]:
+    def new_state(self, spec: DreamZeroSpec, rows: int) -> DreamZeroRecord:
+        return DreamZeroRecord([0] * rows)
+
+    def fork_state(self, owner: Owner, blocks: BlockSource, *, commits: int | None = None) -> DreamZeroRecord:
         """A session can be forked between forwards when every row has committed the same chunks.
 
         No copy-on-write is ever needed: admission requires block_size | frame_seqlen and every commit
@@ -329,14 +341,14 @@ class DreamZeroFamily(Family):
         if commits is not None and (not isinstance(commits, int) or isinstance(commits, bool) or commits < 0):
             raise RequestError(f"commits={commits!r}: a fork's commit budget is a count of chunks (an int >= 0), "
                                "or None for a fork that may commit like any session")
-        done = list(owner.state.get("commits", [0] * owner.num_rows))
+        done = list(owner.state.commits)
         if len(set(done)) > 1:
             raise RequestError(
                 f"session {owner.owner_id!r} is not at a chunk boundary: its rows (CFG branches) have committed "
                 f"{done} chunks since the last window reset; commit the same chunk on every branch "
                 "(runtime.forward(session, 'commit', branch=b)) before forking"
             )
-        return {"commits": done}
+        return DreamZeroRecord(done)
 
     def fork_budget(self, owner: Owner, blocks: BlockSource, *, commits: int | None = None) -> int | None:
         """With `commits=n` the fork may commit n chunks per row (a candidate that commits once, then is scored
@@ -349,7 +361,7 @@ class DreamZeroFamily(Family):
         return owner.num_rows * commits * largest
 
     def history_dropped(self, owner: Owner) -> None:
-        owner.state.pop("commits", None)
+        owner.state = self.new_state(owner.spec, owner.num_rows)
 
     def check_expectation(self, expect: WindowExpect | RollingExpect | CapacityWindowExpect, owner: Owner,
                           plan: ForwardPlan) -> None:
@@ -398,17 +410,18 @@ class DreamZeroFamily(Family):
     def default_buckets(self, model_cfg) -> tuple[Bucket, ...]:
         return dreamzero_buckets(model_cfg)
 
-    def example_inputs(self, model: torch.nn.Module, runtime, bucket: Bucket) -> tuple[tuple, dict]:
+    def example_inputs(self, model: torch.nn.Module, runtime: ModelRuntime, bucket: Bucket) -> tuple[tuple, dict]:
         return dreamzero_block_inputs(model, runtime, bucket)
 
-    def standin_caches(self, runtime, model: torch.nn.Module, batch: int, **geometry: Any) -> list[torch.Tensor]:
+    def standin_caches(self, runtime: ModelRuntime, model: torch.nn.Module, batch: int,
+                       **geometry: Any) -> list[torch.Tensor]:
         """One zero-stride `(2, batch, window, H, D)` stand-in, the same for every layer; H is what the attention
         holds (the rank's heads under tensor parallel, `distributed/reference.py`)."""
         cfg = model.cfg
         standin = runtime.standin(2, batch, cfg.max_attention_size, model.blocks[0].self_attn.num_heads, cfg.head_dim)
         return [standin] * cfg.num_layers
 
-    def region_standins(self, runtime, model: torch.nn.Module, batch: int) -> list[torch.Tensor]:
+    def region_standins(self, runtime: ModelRuntime, model: torch.nn.Module, batch: int) -> list[torch.Tensor]:
         """What the model gets instead of its `cross_kvs` when the session's cross-attention K/V is in shared
         regions (`runtime.admit(..., cross_kv=)`): one zero-stride `(2, batch, cross_len, H, D)` region stand-in."""
         cfg = model.cfg
@@ -437,7 +450,7 @@ def _check_rolling_history(expect: RollingExpect, owner: Owner, plan: ForwardPla
             )
 
 
-def dreamzero_block_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]:
+def dreamzero_block_inputs(model, runtime: ModelRuntime, bucket: Bucket) -> tuple[tuple, dict]:
     """Arguments of one `CausalWanBlock` call of `bucket`, as `DreamZeroModel.forward` passes them."""
     cfg, p = model.cfg, next(model.parameters())
     R, T, C = bucket.rows, bucket.tokens, bucket.context
@@ -487,7 +500,7 @@ def _demo(size: str, *, short: bool, device: str, **runtime_options: Any) -> Dem
     chunks, steps = (2, 1) if short else (10, 3)
     k = DEMO_CANDIDATES
     rows = (2, 2 * k)
-    # Room for what admission counts (`Scheduler._committed`): what each session may hold up to its reset, each
+    # Room for what admission counts (`Reservations.committed`): what each session may hold up to its reset, each
     # candidate (a fork with a budget of one commit, `fork_budget`) its chunk on both rows, and the forked session's
     # history (sink + the window beside a chunk, both rows), which the forks keep even if the session drops it.
     frame_blocks = cfg.frame_seqlen // block_size

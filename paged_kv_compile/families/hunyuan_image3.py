@@ -21,7 +21,8 @@ from ..layout import MaskLayout, RowLayout, layout_from_prefill_mask, mask_disag
 from ..models.hunyuan_image3 import (HUNYUAN_IMAGE3_MID, HunyuanImage3Config, HunyuanImage3Model, HunyuanKVCache,
                                      hunyuan_steps)
 from ..passes.idioms import PREFILL_STORE, PREFIX_STEP, STATIC_CACHE, PrefixExpect
-from .base import BlockSource, Demo, DemoLane, Family, ForwardPlan, Owner, ceil_div, pool_config, reuse_layouts
+from .base import BlockSource, Family, ForwardPlan, ModelRuntime, Owner, ceil_div, pool_config, reuse_layouts
+from .demo import Demo, DemoLane
 
 NAME = "hunyuan_image3"
 KINDS = ("prefill", "step")
@@ -125,6 +126,15 @@ def prefix_capacity_for(buckets: Sequence[Bucket], prefix_lens: Sequence[int], t
     return fits[0]
 
 
+@dataclass
+class HunyuanRecord:
+    """What a request keeps beyond its blocks (`Owner.state`): each row's layout read from its prefill mask (None
+    before the prefill, and after a reset), and whether a step's mask was checked against it."""
+
+    layouts: list[MaskLayout] | None = None
+    step_mask_checked: bool = False
+
+
 class HunyuanImage3Family(Family):
     """The `Family` of HunyuanImage-3 requests (see `families/base.py`)."""
 
@@ -154,9 +164,13 @@ class HunyuanImage3Family(Family):
             blocks.check_scratch(ceil_div(p + spec.target_len, B) - ceil_div(p, B))
         return [ceil_div(p, B) for p in spec.prefix_lens]
 
+    def new_state(self, spec: HunyuanSpec, rows: int) -> HunyuanRecord:
+        return HunyuanRecord()
+
     def plan(self, owner: Owner, blocks: BlockSource, kind: str, *, prefix_capacity: int | None = None,
              attention_mask: torch.Tensor | None = None, **args: Any) -> ForwardPlan:
-        """A prefill (the whole dense sequence) or a denoising step (the target span only).
+        """A prefill (the whole dense sequence, `_plan_prefill`) or a denoising step (the target span only,
+        `_plan_step`).
 
         The layout is read from the model's own prefill `attention_mask` once per request (required at the
         prefill): which dense token is which logical position, where each row's padding sits (left, middle,
@@ -176,66 +190,81 @@ class HunyuanImage3Family(Family):
                 f"prefix_capacity={prefix_capacity} is below the longest prompt ({max(spec.prefix_lens)} tokens); "
                 "pad prompts to a capacity at least that long"
             )
-        rows = len(spec.prefix_lens)
-        if kind == "prefill":
-            if attention_mask is None:
-                raise RequestError(
-                    f"the prefill of request {owner.owner_id!r} needs the model's attention_mask: the runtime reads "
-                    "each row's layout (where padding sits, which tokens are kept) from it once per request. Pass "
-                    "runtime.forward(request_id, 'prefill', prefix_capacity=P, attention_mask=<the mask the model gets>)"
-                )
-            masks = mask_rows(attention_mask, rows)
-            mask_layouts = [layout_from_prefill_mask(masks[0], 0)]
-            for r in range(1, rows):  # a broadcast (1, ...) mask gives every row row 0's view: read once
-                mask_layouts.append(mask_layouts[0] if masks[r] is masks[0] else layout_from_prefill_mask(masks[r], r))
-            for r, (ml, p) in enumerate(zip(mask_layouts, spec.prefix_lens)):
-                _check_against_spec(r, ml, p, spec)
-        else:
-            mask_layouts = owner.state["layouts"]
-        B, T = blocks.block_size, spec.target_len
-        # After a reset (`history_dropped`) the request holds no prompt blocks: its prefill takes them again (admission
-        # reserved them), or the prompt would be written into scratch, which the next forward overwrites.
-        taken = (blocks.allocate_rows([ceil_div(p, B) for p in spec.prefix_lens])
-                 if kind == "prefill" and not any(owner.rows) else [])
-        prompt_rows = taken or owner.rows
-
-        def make() -> tuple[list[RowLayout], list[torch.Tensor]]:
-            layouts, key_positions = [], []
-            for r, (row, p, ml) in enumerate(zip(prompt_rows, spec.prefix_lens, mask_layouts)):
-                if kind == "prefill":
-                    positions, ends, seq_len, top = ml.positions, ml.visible_end, ml.kept, None
-                    key_positions.append(ml.positions)
-                else:
-                    positions = torch.arange(p, p + T, dtype=torch.int32)
-                    ends, seq_len, top = ml.ends_by_position[p : p + T], p + T, p + T - 1
-                    key_positions.append(_step_key_positions(ml, p, prefix_capacity, positions))
-                scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
-                layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len, max_position=top))
-            return layouts, key_positions
-
-        try:
-            layouts, key_positions = make() if kind == "prefill" else reuse_layouts(
-                owner, (kind, owner.version, prefix_capacity, blocks.first_scratch_row), make)
-        except BaseException:
-            for ids in taken:
-                blocks.free(ids)
-            raise
-        # a prefill (again: a retry, another mask) makes the next step's mask checked against its layout
-        state = {"layouts": mask_layouts, "step_mask_checked": False} if kind == "prefill" else {}
-        if kind == "step" and attention_mask is not None and not owner.state.get("step_mask_checked"):
-            _check_step_mask(mask_rows(attention_mask, rows), layouts, key_positions)
-            state["step_mask_checked"] = True
-        tokens = len(mask_layouts[0].positions) if kind == "prefill" else T
+        phase = self._plan_prefill if kind == "prefill" else self._plan_step
+        layouts, key_positions, taken, state, tokens = phase(owner, blocks, prefix_capacity, attention_mask)
         # A prefill's layout comes from its mask, which no cheap key names: it is always built (once per request).
         key = (owner.serial, kind, owner.version, prefix_capacity) if kind == "step" else ()
         return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, taken, key,
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
+    def _plan_prefill(self, owner: Owner, blocks: BlockSource, prefix_capacity: int,
+                      attention_mask: torch.Tensor | None) -> tuple:
+        """(layouts, key positions, blocks taken, record, tokens) of a prefill: each row's layout read from the mask,
+        checked against the spec, and the prompt's blocks taken again after a reset."""
+        spec: HunyuanSpec = owner.spec
+        if attention_mask is None:
+            raise RequestError(
+                f"the prefill of request {owner.owner_id!r} needs the model's attention_mask: the runtime reads "
+                "each row's layout (where padding sits, which tokens are kept) from it once per request. Pass "
+                "runtime.forward(request_id, 'prefill', prefix_capacity=P, attention_mask=<the mask the model gets>)"
+            )
+        rows = len(spec.prefix_lens)
+        masks = mask_rows(attention_mask, rows)
+        mask_layouts = [layout_from_prefill_mask(masks[0], 0)]
+        for r in range(1, rows):  # a broadcast (1, ...) mask gives every row row 0's view: read once
+            mask_layouts.append(mask_layouts[0] if masks[r] is masks[0] else layout_from_prefill_mask(masks[r], r))
+        for r, (ml, p) in enumerate(zip(mask_layouts, spec.prefix_lens)):
+            _check_against_spec(r, ml, p, spec)
+        B = blocks.block_size
+        # After a reset (`history_dropped`) the request holds no prompt blocks: its prefill takes them again (admission
+        # reserved them), or the prompt would be written into scratch, which the next forward overwrites.
+        taken = blocks.allocate_rows([ceil_div(p, B) for p in spec.prefix_lens]) if not any(owner.rows) else []
+        try:
+            layouts = []
+            for r, (row, ml) in enumerate(zip(taken or owner.rows, mask_layouts)):
+                scratch = blocks.scratch(r, len(row), (ml.kept - 1) // B)
+                layouts.append(RowLayout.build(row, scratch, ml.positions, ml.visible_end, ml.kept))
+        except BaseException:
+            for ids in taken:
+                blocks.free(ids)
+            raise
+        # a prefill (again: a retry, another mask) makes the next step's mask checked against its layout
+        key_positions = [ml.positions for ml in mask_layouts]
+        return layouts, key_positions, taken, HunyuanRecord(mask_layouts), len(mask_layouts[0].positions)
+
+    def _plan_step(self, owner: Owner, blocks: BlockSource, prefix_capacity: int,
+                   attention_mask: torch.Tensor | None) -> tuple:
+        """(layouts, key positions, blocks taken, record, tokens) of a denoising step: the target span after each
+        row's prompt, laid out as the prefill's mask said (the same at every step: reused), its mask checked
+        against that layout once per request."""
+        spec: HunyuanSpec = owner.spec
+        mask_layouts = owner.state.layouts
+        B, T = blocks.block_size, spec.target_len
+
+        def make() -> tuple[list[RowLayout], list[torch.Tensor]]:
+            layouts, key_positions = [], []
+            for r, (row, p, ml) in enumerate(zip(owner.rows, spec.prefix_lens, mask_layouts)):
+                positions = torch.arange(p, p + T, dtype=torch.int32)
+                ends, seq_len = ml.ends_by_position[p : p + T], p + T
+                key_positions.append(_step_key_positions(ml, p, prefix_capacity, positions))
+                scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
+                layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len, max_position=p + T - 1))
+            return layouts, key_positions
+
+        layouts, key_positions = reuse_layouts(owner, ("step", owner.version, prefix_capacity,
+                                                       blocks.first_scratch_row), make)
+        state = None
+        if attention_mask is not None and not owner.state.step_mask_checked:
+            _check_step_mask(mask_rows(attention_mask, len(spec.prefix_lens)), layouts, key_positions)
+            state = HunyuanRecord(mask_layouts, step_mask_checked=True)
+        return layouts, key_positions, [], state, T
+
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
         """Nothing moves (the prefix was written in place, or into the blocks a prefill after a reset took); the
         prefill's layout is kept for the steps (a new version: the steps' layouts and the metadata's repeat key
         follow a prefill run again with another mask)."""
-        owner.state.update(plan.state)
+        if plan.state is not None:
+            owner.state = plan.state
         if plan.new_blocks:
             owner.rows = [list(ids) for ids in plan.new_blocks]
         if plan.kind == "prefill":
@@ -245,7 +274,7 @@ class HunyuanImage3Family(Family):
         """A reset freed the prompt blocks: the request must be prefilled again before a step (found by the
         differential fuzzer: a step read its prompt from scratch, 1.44 off dense)."""
         owner.phases_done.discard("prefill")
-        owner.state.clear()
+        owner.state = self.new_state(owner.spec, owner.num_rows)
 
     def check_expectation(self, expect: PrefixExpect, owner: Owner, plan: ForwardPlan) -> None:
         """The prefix capacity is the bucket's context, which the runtime already checks per call."""
@@ -264,7 +293,7 @@ class HunyuanImage3Family(Family):
         """`models.hunyuan_image3.hunyuan_steps` (prompts=, prefix_capacity=, num_steps=, seed=, ...)."""
         return hunyuan_steps(model, prompts, hooks=hooks, **loop)
 
-    def loop_arguments(self, runtime, spec: HunyuanSpec, loop: dict[str, Any]) -> dict[str, Any]:
+    def loop_arguments(self, runtime: ModelRuntime, spec: HunyuanSpec, loop: dict[str, Any]) -> dict[str, Any]:
         """The prefix capacity: the caller's, else the smallest the runtime's buckets serve for this spec."""
         if loop.get("prefix_capacity") is None:
             loop = {**loop, "prefix_capacity": prefix_capacity_for(runtime.config.buckets, spec.prefix_lens,
@@ -274,10 +303,10 @@ class HunyuanImage3Family(Family):
     def default_buckets(self, model_cfg) -> None:
         return None  # the prefix capacities are the deployment's choice: configure them
 
-    def example_inputs(self, model: torch.nn.Module, runtime, bucket: Bucket) -> tuple[tuple, dict]:
+    def example_inputs(self, model: torch.nn.Module, runtime: ModelRuntime, bucket: Bucket) -> tuple[tuple, dict]:
         return hunyuan_layer_inputs(model, runtime, bucket)
 
-    def standin_caches(self, runtime, model: torch.nn.Module, batch: int, *, prefix_capacity: int,
+    def standin_caches(self, runtime: ModelRuntime, model: torch.nn.Module, batch: int, *, prefix_capacity: int,
                        **geometry: Any) -> list:
         """Per layer a `HunyuanKVCache` over one writable stand-in (the model stores its prefix in place), with the
         KV heads the attention holds (the rank's under tensor parallel, `distributed/reference.py`)."""
@@ -354,7 +383,7 @@ def _check_step_mask(masks: list[torch.Tensor], layouts: list[RowLayout], key_po
             )
 
 
-def hunyuan_layer_inputs(model, runtime, bucket: Bucket) -> tuple[tuple, dict]:
+def hunyuan_layer_inputs(model, runtime: ModelRuntime, bucket: Bucket) -> tuple[tuple, dict]:
     """Arguments of one `HunyuanDecoderLayer` call of `bucket` (prefill or step, from the token count)."""
     cfg, p = model.cfg, next(model.parameters())
     R, T, P = bucket.rows, bucket.tokens, bucket.context

@@ -19,7 +19,7 @@ scales are read, never written, so the pool stays the one mutated argument.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -250,13 +250,28 @@ def resolve_kernel(kernel: str, query: torch.Tensor, kv_pool: torch.Tensor, visi
     return kernel
 
 
-#: real calls of the paged ops so far (both ops, any kernel): the runtime refuses a forward in which none ran
-#: (`PagedKVRuntime._check_attention_ran`: the model then read its cache stand-ins uncompiled)
-CALLS = 0
-#: calls of graphs the backend compiled with nothing to page (no rewritten site), and why the last one had none: the
-#: runtime names that cause when a forward ran no paged attention (`backend._unpaged_callable`)
-UNPAGED_CALLS = 0
-UNPAGED_WHY = ""
+#: what is told of every real call of the paged ops (both ops, any kernel) and of every compiled graph with nothing
+#: to page: the forwards open while it runs count them (`forward_context.ForwardContext.note_call`), and one in
+#: which no paged op ran is refused, naming the cause (`PagedKVRuntime._check_attention_ran`)
+_CALL_OBSERVERS: list[Callable[[str | None], None]] = []
+
+
+@contextlib.contextmanager
+def observe_calls(observer: Callable[[str | None], None]) -> Iterator[None]:
+    """Call `observer(None)` at every real call of the paged ops made inside the block, and `observer(why)` at every
+    call of a graph the backend compiled with nothing to page (`report_call`)."""
+    _CALL_OBSERVERS.append(observer)
+    try:
+        yield
+    finally:  # by identity: the same observer may be open twice
+        del _CALL_OBSERVERS[next(i for i in reversed(range(len(_CALL_OBSERVERS))) if _CALL_OBSERVERS[i] is observer)]
+
+
+def report_call(nothing_to_page: str | None = None) -> None:
+    """Tell the open observers of a call: of a paged op (None), or of a compiled graph that had nothing to page, with
+    why (`backend._unpaged_callable`), so that a forward that paged nothing names its cause."""
+    for observer in _CALL_OBSERVERS:
+        observer(nothing_to_page)
 
 
 def _refuse_pool_aliases(kv_pool: torch.Tensor, **reads: torch.Tensor | None) -> None:
@@ -275,8 +290,7 @@ def _refuse_pool_aliases(kv_pool: torch.Tensor, **reads: torch.Tensor | None) ->
 
 def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
          kv_scales):
-    global CALLS
-    CALLS += 1
+    report_call()
     validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility,
                     kv_scales)
     _refuse_pool_aliases(kv_pool, query=query, key=key, value=value, slot_mapping=slot_mapping,

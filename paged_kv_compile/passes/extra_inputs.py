@@ -78,6 +78,6 @@ def extra_values(inputs: Sequence[ExtraInput], pool: KVPool, meta: BucketMetadat
     """The tensors `inputs` name, in their order: `layers[i]` is the layer serving rewritten site i."""
     values = []
     for i in inputs:
-        owner = pool if i.source == "pool" else meta if i.source == "metadata" else meta.layers[layers[i.site]]
-        values.append(getattr(owner, i.attr))
+        holder = pool if i.source == "pool" else meta if i.source == "metadata" else meta.layers[layers[i.site]]
+        values.append(getattr(holder, i.attr))
     return values

@@ -8,7 +8,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .extra_inputs import ExtraInput
-from .idioms import Expectation
+from .idioms import Expectation, Idiom
 
 
 @dataclass
@@ -39,6 +39,7 @@ class PassResult:
     reports: list[SiteReport]
     sites: list[RewrittenSite] = field(default_factory=list)
     expect: Expectation | None = None  # what every rewritten site of the graph assumes of the forward
+    idiom: Idiom | None = None  # the idiom its cache sites are (a family must accept this very object)
     shape: tuple[int, int, int] | None = None  # (rows, tokens, context) the graph was compiled for
     region_tokens: int | None = None  # tokens of the shared region its `attend` sites read (None: no such site)
     #: the inputs the rewrite appended to the graph, in order (`extra_inputs.py`); the backend's values come from

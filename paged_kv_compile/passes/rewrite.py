@@ -24,7 +24,7 @@ from .graph import SDPA_TARGETS, example, find_parameter, sdpa_args, source_name
 from .handwritten import canonicalize
 from .idioms import Match
 from .insert import add_inputs, insert_attend, insert_write_attend
-from .match import match_site
+from .match import AcceptedIdioms, match_site
 from .region import region_source
 from .result import PassResult, RewrittenSite, SiteReport
 from .site import Site, analyze
@@ -55,7 +55,9 @@ class _Found:
     """The sites of a graph, as the pass read them."""
 
     reports: list[SiteReport] = field(default_factory=list)
-    window: list[tuple[Site, Match, fx.Node]] = field(default_factory=list)  # (site, idiom match, layer weight)
+    #: sites that read a KV-cache stand-in, whatever their idiom (window, rolling cache, prefix):
+    #: (site, idiom match, layer weight)
+    cache_sites: list[tuple[Site, Match, fx.Node]] = field(default_factory=list)
     regions: list[tuple[fx.Node, fx.Node, fx.Node]] = field(default_factory=list)  # (sdpa, region stand-in, weight)
 
 
@@ -77,19 +79,20 @@ def _region_site(found: _Found, node: fx.Node, source: fx.Node | str, inputs: _I
     found.reports.append(SiteReport(node.name, "shared-region", source_name(weight), "rewritten"))
 
 
-def _window_site(found: _Found, node: fx.Node, inputs: _Inputs, stores: list[fx.Node], strict: bool) -> None:
+def _cache_site(found: _Found, node: fx.Node, inputs: _Inputs, stores: list[fx.Node], strict: bool,
+                 idioms: AcceptedIdioms) -> None:
     site = analyze(node, inputs.standins - inputs.regions, stores, inputs.params)
     if site is None:
         found.reports.append(SiteReport(node.name, "-", None, "dense", "reads no cache stand-in (e.g. cross-attention)"))
         return
-    got = site if isinstance(site, str) else match_site(site)
+    got = site if isinstance(site, str) else match_site(site, idioms)
     if not isinstance(got, Match):
         return _refuse(found, node, "KV-cache stand-in", got, strict)
     weight = find_parameter([span.read.node for span in site.new.key], inputs.params)
     if weight is None:
         why = "no per-layer 2-D weight feeds its keys, so the layer cannot be identified at run time"
         return _refuse(found, node, "KV-cache stand-in", why, strict)
-    found.window.append((site, got, weight))
+    found.cache_sites.append((site, got, weight))
     found.reports.append(SiteReport(node.name, got.pattern, source_name(weight), "rewritten"))
 
 
@@ -107,15 +110,15 @@ def _refuse_dynamic_shapes(placeholders: list[fx.Node]) -> None:
 
 
 def _graph_shape(result: PassResult, found: _Found) -> None:
-    """The one expectation and (rows, tokens, context) every window site of the graph shares, and the region
+    """The one expectation and (rows, tokens, context) every cache site of the graph shares, and the region
     length its region sites share (else refused: such a graph cannot be one bucket's)."""
     shapes = set()
-    for site, match, _ in found.window:
+    for site, match, _ in found.cache_sites:
         q = example(site.node)  # (B, H, T, D)
         shapes.add((q.shape[0], q.shape[2], match.expect.context))
         if result.expect is not None and result.expect != match.expect:
             raise PassError(f"sites of one graph disagree on their expectation: {result.expect} vs {match.expect}")
-        result.expect = match.expect
+        result.expect, result.idiom = match.expect, match.idiom
     if len(shapes) != 1:
         raise PassError(f"sites of one graph have different shapes {sorted(shapes)}; compile blocks separately")
     result.shape = shapes.pop()
@@ -123,7 +126,7 @@ def _graph_shape(result: PassResult, found: _Found) -> None:
         q, standin = example(sdpa_args(node)["query"]), example(source)
         if (q.shape[0], q.shape[2]) != result.shape[:2]:
             raise PassError(f"the region site {node.name} computes {tuple(q.shape)} queries, not the "
-                            f"(rows, tokens) = {result.shape[:2]} of the graph's window sites")
+                            f"(rows, tokens) = {result.shape[:2]} of the graph's cache sites")
         if result.region_tokens not in (None, standin.shape[2]):
             raise PassError(f"region sites of one graph read regions of {result.region_tokens} and "
                             f"{standin.shape[2]} tokens; compile blocks separately")
@@ -131,7 +134,7 @@ def _graph_shape(result: PassResult, found: _Found) -> None:
 
 
 def _host_checks(site: Site, weight: fx.Node, placeholders: list[fx.Node]) -> RewrittenSite:
-    """What the compiled function checks of a window site's inputs at every call: its mask, its write positions."""
+    """What the compiled function checks of a cache site's inputs at every call: its mask, its write positions."""
     mask = site.args["attn_mask"]
     replay = movement_replay(mask, placeholders) if isinstance(mask, fx.Node) else None
     writes = []
@@ -145,14 +148,14 @@ def _host_checks(site: Site, weight: fx.Node, placeholders: list[fx.Node]) -> Re
 
 def _insert(graph: fx.Graph, found: _Found, placeholders: list[fx.Node], kernel: str, result: PassResult,
             kv_scales: bool) -> None:
-    """Add the extra inputs (`result.inputs`) and replace every matched site by its op, window sites first."""
+    """Add the extra inputs (`result.inputs`) and replace every matched site by its op, cache sites first."""
     result.inputs = extra_inputs(fp8=kv_scales, regions=bool(found.regions),
-                                 sites=len(found.window) + len(found.regions))
+                                 sites=len(found.cache_sites) + len(found.regions))
     nodes = add_inputs(graph, result.inputs)
-    for index, (site, match, weight) in enumerate(found.window):
+    for index, (site, match, weight) in enumerate(found.cache_sites):
         result.sites.append(_host_checks(site, weight, placeholders))
         insert_write_attend(graph, site, match, nodes, index, kernel)
-    for index, (node, _, weight) in enumerate(found.regions, start=len(found.window)):
+    for index, (node, _, weight) in enumerate(found.regions, start=len(found.cache_sites)):
         insert_attend(graph, node, nodes, index, kernel)
         result.sites.append(RewrittenSite(placeholders.index(weight), source_name(weight)))
 
@@ -215,10 +218,12 @@ def rewrite(
     strict: bool = False,
     kv_scales: bool = False,
     is_region=lambda value: False,
+    idioms: AcceptedIdioms = (),
 ) -> PassResult:
     """Rewrite `gm` (a copy the caller owns) in place; returns the report and the added inputs (`result.inputs`).
 
     `kv_scales`: the pool stores FP8, and its scales come as one more input (`extra_inputs.KV_SCALES`).
+    `idioms`: what a KV-cache site may be, each idiom with the families that accept it (`match.match_site`).
     """
     graph = gm.graph
     inputs = _Inputs.read(graph, example_inputs, is_standin, is_region)
@@ -237,13 +242,13 @@ def rewrite(
         if source is not None:
             _region_site(found, node, source, inputs, strict)
         else:
-            _window_site(found, node, inputs, stores, strict)
+            _cache_site(found, node, inputs, stores, strict, idioms)
     result = PassResult(gm, found.reports)
-    if found.regions and not found.window:
+    if found.regions and not found.cache_sites:
         raise PassError(
             "this graph reads a shared region (a region stand-in) but has no KV-cache window site to give it a shape "
             "bucket: compile the block that holds the self-attention too (DreamZero: the whole CausalWanBlock)")
-    if found.window:
+    if found.cache_sites:
         _graph_shape(result, found)
         _insert(graph, found, inputs.placeholders, kernel, result, kv_scales)
     _refuse_leftovers(graph, inputs.standins, stores)

@@ -13,6 +13,7 @@ import torch
 from paged_kv_compile.adapters.vllm_omni_ar_runner import RUNNER_PATH
 from paged_kv_compile.capture import CompiledOnlyGraphs, unique_graphs
 from paged_kv_compile.errors import ConfigError, RequestError
+from paged_kv_compile.forward_context import ForwardContext
 
 from . import dreamzero_runner as dr
 from .test_vs_vllm_omni_runner import GEOMETRY, OURS, TWO_SESSIONS, _requests, _runner, _serve
@@ -70,8 +71,8 @@ def test_forward_graphs_are_refused_with_the_reason(omni):
         _runner(omni, RUNNER_PATH, model_config={"paged_kv": {**OURS["paged_kv"], "cuda_graphs": "yes"}})
 
 
-def test_a_host_check_refusing_before_a_replay_fails_the_request_closed(omni):
-    """The per-call checks run before each replay: one that refuses (injected once into the runtime's layout check,
+def test_a_host_check_refusing_before_a_replay_fails_the_request_closed(omni, monkeypatch):
+    """The per-call checks run before each replay: one that refuses (injected once into the forward context's expectation check,
     which every compiled DreamZero call makes) stops the forward before its graph runs; the runner releases the
     session, the runtime rolls back with the pool's bytes untouched, and the next request is served bit-exact."""
     runner, od = _runner(omni, RUNNER_PATH, model_config=GRAPHS, available_bytes=TWO_SESSIONS)
@@ -83,13 +84,15 @@ def test_a_host_check_refusing_before_a_replay_fails_the_request_closed(omni):
         return {k: v for k, v in runtime.state().items() if k != "finished"}
 
     pool, state, replays = runtime.pool.tensor.clone(), live(), graphs.stats["replays"]
-    check = runtime.check_layout
+    check, refused = ForwardContext.check_expectation, []
 
-    def refuse_once(expect):
-        runtime.check_layout = check
+    def refuse_once(self, expect, idiom):
+        if refused:
+            return check(self, expect, idiom)
+        refused.append(expect)
         raise RequestError("injected: the session's layout does not match the compiled site")
 
-    runtime.check_layout = refuse_once
+    monkeypatch.setattr(ForwardContext, "check_expectation", refuse_once)
     with pytest.raises(RequestError, match="injected"):
         _serve(omni, runner, od, _requests("b", inputs))
     assert graphs.stats["replays"] == replays, "the refusing call's graph never ran"

@@ -36,6 +36,7 @@ class Match:
     pattern: str
     expect: Expectation
     visibility: str = "general"
+    idiom: Idiom | None = None  # the idiom that matched (`passes.match.match_site` sets it): compared by identity
 
 
 @dataclass(frozen=True)
