@@ -129,7 +129,7 @@ def capacity(cfg: DreamZeroConfig = DREAMZERO_14B, budget_gib: float = 80.0) -> 
     its 2 rows in the batched forward; the parent's window is shared (`forks_fit`). Clone: a candidate holds a
     whole dense window of both rows (`DreamZeroConfig.kv_cache_bytes`), as vllm-omni's fork does.
     Admission reserves what a session holds up to its reset, and a fork reserves as much as its parent, since
-    its own commits may come to replace the whole shared window (issue 23, defect 5): each reserving
+    its own commits may come to replace the whole shared window (reservations): each reserving
     `per_fork_reserved_gib`. A fork with a budget (`runtime.fork(..., commits=1)`) reserves what one commit takes.
     `forks_admitted` / `forks_admitted_commits_1`: how many the real scheduler admits next to a parent at its
     fullest history, counted by forking until admission refuses (`admitted_forks`).

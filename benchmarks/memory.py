@@ -223,7 +223,7 @@ def real_sizes(budget_gib: float, sessions=(1, 2, 4, 8), requests=(1, 8, 32, 128
     dz_rows = []
     for n in sessions:
         # A pool just big enough: admission reserves every session's own peak (both rows, a commit in flight),
-        # as a batched commit may carry them all (issue 23: with nothing reserved, sessions could deadlock).
+        # as a batched commit may carry them all (with nothing reserved, sessions could deadlock).
         blocks = n * 2 * session_blocks_per_row(spec, REAL_BLOCK)
         probe = paged_dreamzero_probe(dz, dtype, blocks_per_layer=max(blocks, 1), max_sessions=n)
         dz_rows.append({"sessions": n, "dense_held_gib": n * dz_dense["held"] / GiB,
@@ -375,7 +375,7 @@ def measured(n: int, m: int, inner: str, chunks: int | None = None, dz_steps: in
     chunks = chunks or W // C + 2  # past the point where the window is full
     tb_dz = token_bytes(dz_cfg.num_layers, dz_cfg.num_heads, dz_cfg.head_dim, torch.float32)
     # A pool sized to what admission reserves: each session's peak (its history plus a chunk in flight, both
-    # rows; issue 23: every session's, as a batched commit may carry them all); the requests' prompt blocks.
+    # rows; every session's, as a batched commit may carry them all); the requests' prompt blocks.
     dz_blocks = n * 2 * session_blocks_per_row(DreamZeroSpec.from_model_config(dz_cfg), F)
     hy_blocks = sum(_ceil(p, TINY_HY_BLOCK) for j in range(m) for p in TINY_HY_PROMPTS[j % len(TINY_HY_PROMPTS)])
     out = {}

@@ -23,7 +23,7 @@ After every operation, on every rank:
 
     python -m fuzz.ranks --steps 300 --seeds 3 [--layout all|tp|cfg|ulysses] [--pool fp32|fp8|both] [--mutant 1|2|3]
 
-`--mutant N` puts back issue 30's defect N (one mutation each) and the run must then FAIL (a caught mutant).
+`--mutant N` puts back the multi-rank defect N of `MUTANTS` (one mutation each) and the run must then FAIL (a caught mutant).
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def _check_write_positions(active, writes: list[tuple[torch.Tensor, int | None]]
     Checked on the host once per forward and input tensor (every layer reads the same position_ids): `seen`
     remembers what was checked in the runtime's current forward (its generation). A warm-up or capture forward
     (`runtime.warmup_forward`: a plan without rows, all-padding metadata) writes and reads nothing, so there is no
-    layout to check its example positions against (issue 23: a per-row write refused every warm-up)."""
+    layout to check its example positions against (without it a per-row write refused every warm-up)."""
     plan = active.plan
     if not plan.rows:
         return

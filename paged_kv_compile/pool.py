@@ -163,7 +163,7 @@ class KVPool:
         A stored value x means x * scale. Scratch and pad blocks get the per-head maximum over layers.
         Refused while any managed block is held (`blocks_held`): history, prompt prefixes and shared regions
         (written at admission) were quantized with the current scales, and attention would dequantize them with
-        the new ones (issue 23: 100x off). Re-quantizing them is not exact in general (FP8 rounding of x / s_old
+        the new ones (measured: 100x off). Re-quantizing them is not exact in general (FP8 rounding of x / s_old
         then of x * s_old / s_new): set the scales before admitting anything.
         """
         if self.scales is None:

@@ -77,7 +77,7 @@ class RegionPlan:
 def _salt_bytes(cache_salt: Any) -> bytes:
     """What the digest hashes for a salt: b"none" for no salt, b"salt:" + the salt's bytes otherwise.
 
-    No salt (None) is its own namespace, apart from every salt, the empty one included (issue 23: None and ""
+    No salt (None) is its own namespace, apart from every salt, the empty one included (once, None and ""
     both hashed as b"", so unsalted sessions shared regions with salt ""). A str salt is its UTF-8 bytes: "alice"
     and b"alice" name one tenant (vLLM's cache_salt is a str; a caller holding bytes means the same id)."""
     if cache_salt is None:

@@ -111,7 +111,7 @@ def test_a_commit_past_the_reset_frame_is_refused_without_change():
     sched.finish_forward(sched.plan("s", "commit"))  # after the reset it commits again
 
 
-# ---- issue 23, defect 5: admission reserves what a session holds up to its reset --------------------------------
+# ---- admission reserves what a session holds up to its reset --------------------------------
 from paged_kv_compile.families.dreamzero import dreamzero_runtime_config  # noqa: E402
 from paged_kv_compile.models.dreamzero import DreamZeroConfig  # noqa: E402
 from paged_kv_compile.runtime import PagedKVRuntime  # noqa: E402

@@ -1,4 +1,4 @@
-"""The captured path is the checked path: every per-call host check runs before a replay (issue 23, defect 2).
+"""The captured path is the checked path: every per-call host check runs before a replay.
 
 A CUDA-graph replay runs none of the compiled function's Python, so the checks it promises per call (the session
 against the compiled site, the rolling history, shared regions, Tencent's write positions, the dense mask, every

@@ -1,7 +1,7 @@
 """The prefill mask read from O(S) counts (`layout.layout_from_prefill_mask`) decides exactly as the full
 (S, S) comparison it replaced: same layouts, same refusals, same first offending query and key.
 
-The oracle is the previous implementation (`_oracle_allowed`, `_oracle_layout`), with the value rule of issue 23:
+The oracle is the previous implementation (`_oracle_allowed`, `_oracle_layout`), with the three-way value rule:
 an additive entry attends iff it is 0 (or -0.0), is masked iff it is at most `layout.MASKED_AT` (-inf, every
 finfo.min, -1e4, -1e9), and is refused otherwise (a bias, +inf, NaN of either sign; it used to read as attended,
 so a -1e4 causal mask paged as bidirectional). Masks are drawn from a seeded generator: pageable layouts (left,
@@ -316,7 +316,7 @@ def test_device_step_mask_check_matches_full_comparison():
         assert mask_disagreement(mask_rows(mask.to("cuda"), 1)[0], row, keys) == want
 
 
-# ---- issue 23, defect 1: an additive mask entry is "attend", "masked" or refused -------------------------------
+# ---- an additive mask entry is "attend", "masked" or refused -------------------------------
 
 
 def _prefill_vs_dense(mask: torch.Tensor, prefix: int, target: int) -> tuple[object, float]:

@@ -113,8 +113,8 @@ def _stale_plan(rt):
 
 
 def _fill_pool(w):
-    """Another user of a shared allocator (vLLM's BlockPool) takes every free block: reservations (issue 23,
-    defect 5) keep this runtime's own owners from ever doing so."""
+    """Another user of a shared allocator (vLLM's BlockPool) takes every free block: reservations
+    keep this runtime's own owners from ever doing so."""
     w.rt.scheduler.allocator.allocate(w.rt.scheduler.allocator.num_free)
 
 

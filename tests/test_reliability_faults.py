@@ -360,7 +360,7 @@ def test_commit_without_room_for_every_row_takes_nothing_and_waits():
     """A 2-row commit with room for one row only is refused before anything is taken; the session waits
     (nothing it owns changes), continues once blocks are free, and equals a clean run.
 
-    Admission reserves what a session holds up to its reset (issue 23, defect 5), so sessions of one runtime
+    Admission reserves what a session holds up to its reset, so sessions of one runtime
     never run each other out of blocks: the shortage comes from another user of the same allocator (a shared
     vLLM BlockPool), who takes blocks the reservations counted as free."""
     # A pool of 12 reserves 6 blocks per session (2 rows x 3). A finished run of A keeps 2 history blocks per

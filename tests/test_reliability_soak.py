@@ -138,7 +138,7 @@ def test_dreamzero_soak():
     model = DreamZeroModel(DZ_CFG, seed=1)
     # A session holds 2 blocks per row between chunks (sink + 1 frame) and 3 while committing: admission reserves
     # 6. A pool for two sessions with an LRU cap of two: opening a third evicts the least recently used one,
-    # whose reservation makes room. No commit may ever wait for a block (issue 23, defect 5: before reservations,
+    # whose reservation makes room. No commit may ever wait for a block (before reservations,
     # a pool of 6 admitted three sessions whose commits then waited, and when all waited one had to be aborted).
     rt = PagedKVRuntime(dreamzero_runtime_config(DZ_CFG, sessions=2, kernel="reference", inner_compiler="aot_eager"),
                         max_sessions=2)

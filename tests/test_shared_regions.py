@@ -80,7 +80,7 @@ def expected(seed: int) -> torch.Tensor:
 # ---- sharing and isolation ------------------------------------------------------------------------------
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_shared_region_same_tenant_same_content_is_written_once(allocator, monkeypatch):
-    rt = make_runtime(allocator, sessions=7)  # each session reserves its window (issue 23, defect 5)
+    rt = make_runtime(allocator, sessions=7)  # each session reserves its window (reservations)
     writes = []
     original = type(rt.pool).write_region
     monkeypatch.setattr(type(rt.pool), "write_region", lambda self, b, s: (writes.append(list(b)), original(self, b, s)))

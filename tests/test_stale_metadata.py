@@ -1,4 +1,4 @@
-"""A forward never runs on metadata built for another plan (issue 23, defects 3 and 6).
+"""A forward never runs on metadata built for another plan.
 
 The metadata builder skips a build whose key repeats the bucket's last one (`MetadataBuilder.build`), so a key must
 name everything the build depends on, for the runtime's whole life, and a build whose forward was aborted must not

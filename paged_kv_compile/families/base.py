@@ -62,7 +62,7 @@ class Owner:
     state: Any = None
     layout_cache: tuple | None = None  # (key, value) of the last repeatable plan's layouts (`reuse_layouts`)
     #: unique for the runtime's life (an admission counter, never reused, unlike ids): cache keys name the owner
-    #: by it, so a key can never match another owner's build (issue 23: an id reused after the finished-id memory
+    #: by it, so a key can never match another owner's build (once, an id reused after the finished-id memory
     #: was served its predecessor's metadata)
     serial: int = -1
     #: managed blocks per layer admission reserved for it: the most it holds at once up to its reset (`reserve`)

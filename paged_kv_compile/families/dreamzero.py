@@ -241,7 +241,7 @@ class DreamZeroFamily(Family):
         return [0] * rows  # history blocks are taken by commits, from the reservation (`reserve`)
 
     def reserve(self, spec: DreamZeroSpec, rows: int, blocks: BlockSource) -> int:
-        """What the session's commits take up to its reset: admission reserves it (issue 23: with nothing
+        """What the session's commits take up to its reset: admission reserves it (with nothing
         reserved, sessions admitted into a pool sized for one each committed once and then all waited forever)."""
         return rows * session_blocks_per_row(spec, blocks.block_size)
 

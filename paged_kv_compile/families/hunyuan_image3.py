@@ -332,7 +332,7 @@ def _check_against_spec(r: int, ml: MaskLayout, p: int, spec: HunyuanSpec) -> No
         )
     # The steps feed the target's T tokens, consecutive in the dense sequence. A dense token inside the target's
     # span that reads as padding (it sees only itself and nobody sees it) is ambiguous: a real token there gets no
-    # output (the op computes none for padding) while dense attention gives it its own value (issue 23, (c)).
+    # output (the op computes none for padding) while dense attention gives it its own value.
     dense = torch.nonzero((ml.positions >= p) & (ml.positions < p + T)).flatten()
     if len(dense) and int(dense[-1] - dense[0]) != T - 1:
         pad = int(dense[0]) + int(torch.nonzero(ml.positions[dense[0] : dense[-1]] < 0)[0])
