@@ -54,6 +54,15 @@ RUNNER_PATH = "paged_kv_compile.adapters.vllm_omni_hunyuan_runner.PagedKVHunyuan
 _OPTIONS = {"kernel", "inner_compiler", "block_size", "scratch_tokens_per_row"}
 
 
+ULYSSES_STEPS_BLOCKED = (
+    "vllm-omni's Ulysses pads the image shard of a denoising step (`shard_padding_size`: the step's timestep + "
+    "image tokens are not a multiple of ulysses_degree={u}, while the first step's timestep + image + "
+    "<eoi> are), and our HunyuanImage-3 step plan has no padded token (it feeds target_len tokens): with "
+    "sequence parallel only the first step is paged. Serve it with tensor_parallel_size / cfg_parallel_size "
+    "instead of ulysses_degree, or with num_inference_steps=1"
+)
+
+
 def _options(od_config) -> dict:
     raw = (getattr(od_config, "model_config", None) or {}).get("paged_kv") or {}
     unknown = set(raw) - _OPTIONS
@@ -81,6 +90,7 @@ class HunyuanServing:
         self.step_owners: dict[str, list[str]] = {}
         self._rope_embedders = [m.image_rope2d_emb for m in model.modules() if hasattr(m, "image_rope2d_emb")]
         self.group: list[str] | None = None  # the requests of the step group being forwarded, in row order
+        self.ulysses = int(getattr(self.adapter.managers[0], "sp_size", 1))  # the Ulysses degree (1: none)
 
     @classmethod
     def build(cls, model: torch.nn.Module, *, budget_bytes: int, rows_per_request: int, dtype: torch.dtype,
@@ -96,11 +106,17 @@ class HunyuanServing:
         probe = managers[0]
         scratch = scratch_tokens_per_row or int(probe.image_token_len)
         cfg = PagedKVConfig(
-            num_layers=len(model.layers), num_kv_heads=probe.num_kv_heads, head_dim=probe.head_dim,
+            num_layers=len(model.layers), num_kv_heads=vllm_omni_hunyuan.ulysses_heads(probe)[1], head_dim=probe.head_dim,
             block_size=block_size, budget_bytes=budget_bytes, max_rows=rows_per_request * requests_per_forward,
             scratch_tokens_per_row=scratch, dtype=dtype, device=str(device), kernel=kernel,
             inner_compiler=inner_compiler,
         )
+        if getattr(probe, "sp_size", 1) > 1:
+            # Ulysses keeps K/V at their KV heads (vllm_omni_hunyuan: the layer's compressed-K/V branch), so
+            # vllm-omni's SDPA backend does the GQA and logs a debug line doing it: a graph break unless ignored.
+            from vllm_omni.diffusion.attention.backends import sdpa as _sdpa
+
+            torch._dynamo.config.ignore_logging_functions.add(_sdpa.logger.debug)
         runtime = PagedKVRuntime(cfg)
         runtime.allow_unconfigured_buckets()  # prompt lengths are the requests'; each new shape compiles once
         serving = cls(model, runtime, rows_per_request)
@@ -241,7 +257,8 @@ class HunyuanServing:
         items = [(self.step_owners[group[r % n]][r // n], phase,
                   {"prefix_capacity": capacity, "attention_mask": mask[r:r + 1]}) for r in range(rows)]
         probe = self.adapter.managers[0]
-        standin = self.runtime.standin(rows, capacity, probe.num_kv_heads, probe.head_dim, writable=True)
+        standin = self.runtime.standin(rows, capacity, vllm_omni_hunyuan.ulysses_heads(probe)[1], probe.head_dim,
+                                       writable=True)
         for manager in self.adapter.managers:
             manager._paged_kv_cache = (standin, standin)
         # `HunYuanRotary2DEmbedder` keeps the cos/sin of the first later step and reuses them until the next first
@@ -331,6 +348,10 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
             inner_compiler=inner, scratch_tokens_per_row=options.get("scratch_tokens_per_row"),
         )
         if step_mode:
+            if self.paged_kv.ulysses > 1:
+                raise ConfigError("step execution with sequence parallel HunyuanImage-3 is not served by "
+                                  "PagedKVHunyuanModelRunner: its steps are not paged under Ulysses (see "
+                                  "execute_model); use step_execution=False or ulysses_degree=1")
             self.paged_kv.attach_step_mode(self.pipeline)
         # Our bracket checks the request's cancellation signal at every transformer call.
         self.pipeline.supports_request_cancellation = True
@@ -367,6 +388,12 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
         if diffusion_kv_metadata is not None:
             raise ConfigError("PagedKVHunyuanModelRunner keeps its own pool: run it with diffusion_kv_mode="
                               "'dense_legacy' (vllm-omni's scheduler-managed paged KV is not used)")
+        steps = int(getattr(req.sampling_params, "num_inference_steps", 1) or 1)
+        if self.paged_kv.ulysses > 1 and steps > 1:
+            message = (f"request {req.request_id!r} ({steps} denoising steps) refused: "
+                       + ULYSSES_STEPS_BLOCKED.format(u=self.paged_kv.ulysses))
+            logger.warning(message)
+            return DiffusionOutput(error=message, error_type="ConfigError")
         try:
             with self.paged_kv.serving(req.request_id):
                 return super().execute_model(req, kv_prefetch_job=kv_prefetch_job)

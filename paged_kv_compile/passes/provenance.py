@@ -27,6 +27,7 @@ class LeafRead:
     seq_dim: int  # which dim of `shape` is the sequence
     head_dim_index: int  # which dim is the head axis
     kv_index: int | None  # for a leaf with a leading K/V axis (a (2, B, L, H, D) cache): which half
+    heads: tuple[int, int] | None = None  # (first, count) when the input reads only these heads of the leaf
 
 
 @dataclass
@@ -84,13 +85,19 @@ def _leaf_read(leaf: fx.Node, flat: torch.Tensor) -> tuple[LeafRead, list[int]] 
     b_idx = torch.arange(Bx).view(-1, 1, 1, 1)
     d_idx = torch.arange(Dx).view(1, 1, 1, -1)
     for shape, (kv, b, s, h, d) in _read_shapes(tuple(example(leaf).shape), Dx, Bx):
-        if shape[b] != Bx or shape[d] != Dx or Hx % shape[h]:
+        if shape[b] != Bx or shape[d] != Dx:
             continue
         strides = [1] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * shape[i + 1]
         coords = [(flat // strides[i]) % shape[i] for i in range(len(shape))]
-        h_idx = (torch.arange(Hx) // (Hx // shape[h])).view(1, -1, 1, 1)  # GQA: head h reads kv head h // rep
+        # GQA: head h reads kv head first + h // rep; a subset (first, count) of the leaf's heads is a Ulysses
+        # rank's heads of a replicated tensor (vllm-omni's joint text prefix, sliced by head rank)
+        first = int(coords[h].min())
+        count = int(coords[h].max()) - first + 1
+        if Hx % count:
+            continue
+        h_idx = (first + torch.arange(Hx) // (Hx // count)).view(1, -1, 1, 1)
         if (
             bool((coords[b] == b_idx).all())
             and bool((coords[h] == h_idx).all())
@@ -99,7 +106,8 @@ def _leaf_read(leaf: fx.Node, flat: torch.Tensor) -> tuple[LeafRead, list[int]] 
             and (kv is None or bool((coords[kv] == coords[kv].flatten()[0]).all()))
         ):
             kv_index = None if kv is None else int(coords[kv].flatten()[0])
-            return LeafRead(leaf, shape, s, h, kv_index), coords[s][0, 0, :, 0].tolist()
+            heads = None if (first, count) == (0, shape[h]) else (first, count)
+            return LeafRead(leaf, shape, s, h, kv_index, heads), coords[s][0, 0, :, 0].tolist()
     return None
 
 

@@ -275,4 +275,7 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
     if isinstance(joining, str):
         return joining
     keys.joining = joining
+    if any(reads.provs[n].reads[leaf].heads is not None for n in ("key", "value")
+           for leaf, _ in reads.provs[n].columns if leaf in standins):
+        return "the keys/values read only some heads of a cache stand-in (its stand-in must hold the heads read)"
     return Site(node, args, new, keys, _cache_read(reads.provs, standins), _cache_writes(mine, reads))

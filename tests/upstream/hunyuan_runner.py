@@ -232,7 +232,7 @@ def tick(runner, step_id: int, new=(), cached=(), finished=()):
 
 def serve_on_rank(full_weights: dict[str, torch.Tensor], prompt_ids: list[torch.Tensor], seed: int,
                   model_config: dict | None, available_bytes: int | None,
-                  parallel: dict[str, Any] | None = None) -> dict[str, Any]:
+                  parallel: dict[str, Any] | None = None, steps: int = 3) -> dict[str, Any]:
     """A rank task (`multirank.RankPool.run`): this rank's pipeline (tensor-parallel layers at the rank's TP
     size) loaded with the one-rank weights, served one fp32 request by the runner `model_config` selects (ours
     when given, else the plain dense runner); returns the image and, for ours, the pool's bytes and KV heads.
@@ -254,7 +254,7 @@ def serve_on_rank(full_weights: dict[str, torch.Tensor], prompt_ids: list[torch.
 
                 _apply_sequence_parallel_if_enabled(pipeline, od)
             runner = build_runner(pipeline, od, available_bytes=available_bytes)
-            out = serve(runner, make_request("r", prompt_ids, seed=seed))
+            out = serve(runner, make_request("r", prompt_ids, seed=seed, steps=steps))
             if out.error:
                 raise RuntimeError(out.error)
             report = {"image": out.output["payload"]["image"], **rank_info()}
