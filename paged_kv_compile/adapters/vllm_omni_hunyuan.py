@@ -11,6 +11,13 @@ rows), and a step reads `cat([cache, key]).contiguous()`. Everything else (proje
 repeat_kv, the mask's `.contiguous()`, vllm-omni's SDPA attention layer) runs unchanged and the paged_kv
 passes rewrite it. The capacity is the dense code's own `max(prompt lens)` (its step masks have that many
 prefix columns). Imports nothing from vllm-omni: the managers are found by their methods.
+
+Strict Ulysses (`sp_size > 1`): vllm-omni's layer joins the text prefix (replicated on every rank) in front of
+the all-to-all's image K/V (`joint_strategy="front"`, sliced to the rank's heads). The stand-in holds the rank's
+KV heads, written from the prefix of `key` at the first step and tiled back to every KV head at a step so that
+the layer's head slice reads exactly it; the layer keeps K/V at their KV heads (its `keep_kv_compressed`
+branch), so the all-to-all carries KV heads and SDPA does the GQA. The runner serves only first steps this way
+(`vllm_omni_hunyuan_runner.ULYSSES_STEPS_BLOCKED`).
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ _PATCHED = ("_cache_prompt_kv", "_reuse_prompt_kv")
 
 
 def ulysses_heads(manager: torch.nn.Module) -> tuple[int, int]:
-    """(first, count) of the KV heads this Ulysses rank attends: vllm-omni's strict all-to-all gives rank r the
-    query heads [r*Hq/U, (r+1)*Hq/U), which read KV heads [r*Hkv/U, (r+1)*Hkv/U) after `repeat_kv`."""
+    """(first, count) of the KV heads this Ulysses rank attends and caches: with K/V kept at their KV heads (see
+    `HunyuanAdapter`), vllm-omni's strict all-to-all gives rank r the KV heads [r*Hkv/U, (r+1)*Hkv/U)."""
     u = getattr(manager, "sp_size", 1)
     count = manager.num_kv_heads // u
     return getattr(manager, "sp_rank", 0) * count, count
@@ -42,8 +49,8 @@ def _rank_heads(self, x):
 
 
 def _as_all_heads(self, cached):
-    """A rank's cached heads tiled to every local KV head: the layer's Ulysses joint split (`repeat_kv`, then the
-    rank's slice of heads) reads back exactly this rank's cached heads."""
+    """A rank's cached heads tiled to every local KV head: the layer's Ulysses joint split (the rank's slice of
+    the joint K/V heads) reads back exactly this rank's cached heads."""
     return cached.repeat(1, 1, getattr(self, "sp_size", 1), 1)
 
 
@@ -81,7 +88,7 @@ def _check_parallel(manager: torch.nn.Module) -> None:
     u = getattr(manager, "sp_size", 1)
     if u <= 1:
         return
-    if getattr(manager, "allgather_size", 1) > 1:
+    if getattr(manager, "allgather_size", 1) > 1 and not getattr(manager, "_paged_kv_compressed", False):
         raise RequestError("AllGather-KV sequence parallel HunyuanImage-3 is not paged: use ulysses_degree")
     if manager.num_kv_heads % u:
         raise RequestError(f"{manager.num_kv_heads} KV heads per rank cannot be split across ulysses_degree={u}: "
@@ -105,7 +112,7 @@ class HunyuanAdapter:
                 # The layer's compressed-K/V branch (`keep_kv_compressed`, taken for AllGather-KV): no `repeat_kv`
                 # before the all-to-all, so each Ulysses rank receives its KV heads (not their repeats) and the
                 # attention's SDPA does the GQA; the same numbers. Each rank's pool then holds Hkv/U heads.
-                manager.allgather_size = 2
+                manager.allgather_size, manager._paged_kv_compressed = 2, True
             for name in _PATCHED:
                 setattr(manager, name, types.MethodType(globals()[name], manager))
         runtime.bind(layers)

@@ -338,6 +338,9 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
             utilization = float(self.vllm_config.cache_config.gpu_memory_utilization)
             budget = int(current_omni_platform.get_free_memory(torch.device(self.device)) * utilization)
         options = _options(self.od_config)
+        if int(getattr(getattr(self.od_config, "parallel_config", None), "ring_degree", 1) or 1) > 1:
+            raise ConfigError("ring sequence parallel HunyuanImage-3 is not paged by PagedKVHunyuanModelRunner: "
+                              "use ring_degree=1 (strict Ulysses, tensor or CFG parallel)")
         inner = options.get("inner_compiler") or ("eager" if self.od_config.enforce_eager else "inductor")
         rows = int(getattr(self.od_config, "diffusion_kv_max_rows_per_request", None) or 2)
         step_mode = bool(getattr(self.od_config, "step_execution", False))
