@@ -302,6 +302,14 @@ class HunyuanServing:
         if kwargs.get("paged_kv_cached_prefix_len") or kwargs.get("ar_kv_reuse_len"):
             raise RequestError("prefix-cache hits and imported AR KV are not served by this runner; use "
                                "diffusion_kv_mode='dense_legacy' with it")
+        if first and self.ulysses > 1:
+            image = int(kwargs["attention_mask"].shape[-1]) - int(kwargs["gen_timestep_scatter_index"][0, -1])
+            if image % self.ulysses:
+                raise ConfigError(
+                    f"request {self.request_id!r}: its first step's {image} timestep + image + <eoi> tokens are not a "
+                    f"multiple of ulysses_degree={self.ulysses}, so vllm-omni pads its image shard, which our plan "
+                    "does not describe; choose a degree dividing them, or tensor / CFG parallel"
+                )
         owner = self._admit(kwargs) if first else self.owner_id
         if owner is None:
             raise RequestError(f"request {self.request_id!r} ran a denoising step before its first step")
@@ -400,6 +408,6 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
         try:
             with self.paged_kv.serving(req.request_id):
                 return super().execute_model(req, kv_prefetch_job=kv_prefetch_job)
-        except CapacityError as exc:
+        except (CapacityError, ConfigError) as exc:  # refused before admission: the engine serves the next one
             logger.warning("request %s not admitted: %s", req.request_id, exc)
             return DiffusionOutput(error=str(exc), error_type=type(exc).__name__)
