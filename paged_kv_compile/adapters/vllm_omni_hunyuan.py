@@ -16,8 +16,8 @@ Strict Ulysses (`sp_size > 1`): vllm-omni's layer joins the text prefix (replica
 the all-to-all's image K/V (`joint_strategy="front"`, sliced to the rank's heads). The stand-in holds the rank's
 KV heads, written from the prefix of `key` at the first step and tiled back to every KV head at a step so that
 the layer's head slice reads exactly it; the layer keeps K/V at their KV heads (its `keep_kv_compressed`
-branch), so the all-to-all carries KV heads and SDPA does the GQA. The runner serves only first steps this way
-(`vllm_omni_hunyuan_runner.ULYSSES_STEPS_BLOCKED`).
+branch), so the all-to-all carries KV heads and SDPA does the GQA. A step's image shard is padded by vllm-omni to
+a multiple of the degree: `forward(..., step_padding=n)` plans those n trailing tokens (keys no target query sees).
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ class HunyuanAdapter:
         return HunyuanSpec.from_prefill_mask(attention_mask, prefix_lens, target_len)
 
     @contextlib.contextmanager
-    def forward(self, request_id: str, *, phase: str, attention_mask: torch.Tensor | None = None) -> Iterator[None]:
+    def forward(self, request_id: str, *, phase: str, attention_mask: torch.Tensor | None = None,
+                step_padding: int = 0) -> Iterator[None]:
         """One model forward of `request_id` ("prefill" = the pipeline's first_step, else "step")."""
         owner = self.runtime.owner(request_id)
         if owner is None:
@@ -142,7 +143,7 @@ class HunyuanAdapter:
         for manager in self.managers:
             manager._paged_kv_cache = (standin, standin)
         with self.runtime.forward(request_id, phase, prefix_capacity=capacity,
-                                  attention_mask=attention_mask):
+                                  attention_mask=attention_mask, step_padding=step_padding):
             yield
 
 

@@ -54,15 +54,6 @@ RUNNER_PATH = "paged_kv_compile.adapters.vllm_omni_hunyuan_runner.PagedKVHunyuan
 _OPTIONS = {"kernel", "inner_compiler", "block_size", "scratch_tokens_per_row"}
 
 
-ULYSSES_STEPS_BLOCKED = (
-    "vllm-omni's Ulysses pads the image shard of a denoising step (`shard_padding_size`: the step's timestep + "
-    "image tokens are not a multiple of ulysses_degree={u}, while the first step's timestep + image + "
-    "<eoi> are), and our HunyuanImage-3 step plan has no padded token (it feeds target_len tokens): with "
-    "sequence parallel only the first step is paged. Serve it with tensor_parallel_size / cfg_parallel_size "
-    "instead of ulysses_degree, or with num_inference_steps=1"
-)
-
-
 def _options(od_config) -> dict:
     raw = (getattr(od_config, "model_config", None) or {}).get("paged_kv") or {}
     unknown = set(raw) - _OPTIONS
@@ -313,8 +304,10 @@ class HunyuanServing:
         owner = self._admit(kwargs) if first else self.owner_id
         if owner is None:
             raise RequestError(f"request {self.request_id!r} ran a denoising step before its first step")
+        u, target = self.ulysses, int(kwargs["num_image_tokens"])
+        pad = 0 if first or u <= 1 else -target % u  # vllm-omni's Ulysses pads a step's image shard to the degree
         with self.adapter.forward(owner, phase="prefill" if first else "step",
-                                  attention_mask=kwargs["attention_mask"]):
+                                  attention_mask=kwargs["attention_mask"], step_padding=pad):
             return self._dense_forward(**kwargs)
 
 
@@ -361,8 +354,8 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
         if step_mode:
             if self.paged_kv.ulysses > 1:
                 raise ConfigError("step execution with sequence parallel HunyuanImage-3 is not served by "
-                                  "PagedKVHunyuanModelRunner: its steps are not paged under Ulysses (see "
-                                  "execute_model); use step_execution=False or ulysses_degree=1")
+                                  "PagedKVHunyuanModelRunner (its step groups are not planned with Ulysses' shard "
+                                  "padding): use step_execution=False (request mode) with ulysses_degree > 1")
             self.paged_kv.attach_step_mode(self.pipeline)
         # Our bracket checks the request's cancellation signal at every transformer call.
         self.pipeline.supports_request_cancellation = True
@@ -399,12 +392,6 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
         if diffusion_kv_metadata is not None:
             raise ConfigError("PagedKVHunyuanModelRunner keeps its own pool: run it with diffusion_kv_mode="
                               "'dense_legacy' (vllm-omni's scheduler-managed paged KV is not used)")
-        steps = int(getattr(req.sampling_params, "num_inference_steps", 1) or 1)
-        if self.paged_kv.ulysses > 1 and steps > 1:
-            message = (f"request {req.request_id!r} ({steps} denoising steps) refused: "
-                       + ULYSSES_STEPS_BLOCKED.format(u=self.paged_kv.ulysses))
-            logger.warning(message)
-            return DiffusionOutput(error=message, error_type="ConfigError")
         try:
             with self.paged_kv.serving(req.request_id):
                 return super().execute_model(req, kv_prefetch_job=kv_prefetch_job)

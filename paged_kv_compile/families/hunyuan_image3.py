@@ -161,8 +161,9 @@ class HunyuanImage3Family(Family):
         The layout is read from the model's own prefill `attention_mask` once per request (required at the
         prefill): which dense token is which logical position, where each row's padding sits (left, middle,
         right; causal pads are kept tokens nobody reads), what each query sees. It is checked against the
-        spec. A step feeds the `target_len` tokens after each row's prompt; its mask, when given, is checked
-        against that layout once per request.
+        spec. A step feeds the `target_len` tokens after each row's prompt (plus `step_padding` trailing tokens
+        under sequence parallel, keys no target query sees); its mask, when given, is checked against that layout
+        once per request (unpadded steps).
         """
         spec: HunyuanSpec = owner.spec
         if kind not in KINDS:
@@ -193,6 +194,11 @@ class HunyuanImage3Family(Family):
         else:
             mask_layouts = owner.state["layouts"]
         B, T = blocks.block_size, spec.target_len
+        # Sequence-parallel step padding (vllm-omni's Ulysses pads a step's image shard to a multiple of the
+        # degree): `step_padding` tokens after the target, keys no target query sees, dropped by the model after.
+        pad = int(args.get("step_padding") or 0) if kind == "step" else 0
+        if pad < 0:
+            raise RequestError(f"step_padding={pad} must be >= 0 (the padded tokens after the target)")
         # After a reset (`history_dropped`) the request holds no prompt blocks: its prefill takes them again (admission
         # reserved them), or the prompt would be written into scratch, which the next forward overwrites.
         taken = (blocks.allocate_rows([ceil_div(p, B) for p in spec.prefix_lens])
@@ -206,8 +212,10 @@ class HunyuanImage3Family(Family):
                     positions, ends, seq_len, top = ml.positions, ml.visible_end, ml.kept, None
                     key_positions.append(ml.positions)
                 else:
-                    positions = torch.arange(p, p + T, dtype=torch.int32)
-                    ends, seq_len, top = ml.ends_by_position[p : p + T], p + T, p + T - 1
+                    positions = torch.arange(p, p + T + pad, dtype=torch.int32)
+                    ends, seq_len, top = ml.ends_by_position[p : p + T], p + T + pad, p + T + pad - 1
+                    if pad:  # a pad query sees every key (its output is dropped); no target query sees a pad
+                        ends = torch.cat([ends, torch.full((pad,), p + T + pad, dtype=ends.dtype)])
                     key_positions.append(_step_key_positions(ml, p, prefix_capacity, positions))
                 scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
                 layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len, max_position=top))
@@ -215,19 +223,19 @@ class HunyuanImage3Family(Family):
 
         try:
             layouts, key_positions = make() if kind == "prefill" else reuse_layouts(
-                owner, (kind, owner.version, prefix_capacity, blocks.first_scratch_row), make)
+                owner, (kind, owner.version, prefix_capacity, blocks.first_scratch_row, pad), make)
         except BaseException:
             for ids in taken:
                 blocks.free(ids)
             raise
         # a prefill (again: a retry, another mask) makes the next step's mask checked against its layout
         state = {"layouts": mask_layouts, "step_mask_checked": False} if kind == "prefill" else {}
-        if kind == "step" and attention_mask is not None and not owner.state.get("step_mask_checked"):
+        if kind == "step" and attention_mask is not None and not pad and not owner.state.get("step_mask_checked"):
             _check_step_mask(mask_rows(attention_mask, rows), layouts, key_positions)
             state["step_mask_checked"] = True
-        tokens = len(mask_layouts[0].positions) if kind == "prefill" else T
+        tokens = len(mask_layouts[0].positions) if kind == "prefill" else T + pad
         # A prefill's layout comes from its mask, which no cheap key names: it is always built (once per request).
-        key = (owner.serial, kind, owner.version, prefix_capacity) if kind == "step" else ()
+        key = (owner.serial, kind, owner.version, prefix_capacity, pad) if kind == "step" else ()
         return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, taken, key,
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
