@@ -242,6 +242,7 @@ def serve_on_rank(full_weights: dict[str, torch.Tensor], prompt_ids: list[torch.
 
     from paged_kv_compile.adapters.vllm_omni_hunyuan_runner import RUNNER_PATH
 
+    torch._dynamo.reset()  # a rank serves several tests' tasks: each compiles afresh (dynamo's recompile limit)
     with fp32_pipeline():
         od = diffusion_config(dtype=torch.float32, **({"runner_cls": RUNNER_PATH, "model_config": model_config}
                                                       if model_config is not None else {}),
