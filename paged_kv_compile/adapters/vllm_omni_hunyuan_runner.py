@@ -81,6 +81,7 @@ class HunyuanServing:
         self.step_owners: dict[str, list[str]] = {}
         self._rope_embedders = [m.image_rope2d_emb for m in model.modules() if hasattr(m, "image_rope2d_emb")]
         self.group: list[str] | None = None  # the requests of the step group being forwarded, in row order
+        self.ulysses = int(getattr(self.adapter.managers[0], "sp_size", 1))  # the Ulysses degree (1: none)
 
     @classmethod
     def build(cls, model: torch.nn.Module, *, budget_bytes: int, rows_per_request: int, dtype: torch.dtype,
@@ -96,11 +97,17 @@ class HunyuanServing:
         probe = managers[0]
         scratch = scratch_tokens_per_row or int(probe.image_token_len)
         cfg = PagedKVConfig(
-            num_layers=len(model.layers), num_kv_heads=probe.num_kv_heads, head_dim=probe.head_dim,
+            num_layers=len(model.layers), num_kv_heads=vllm_omni_hunyuan.ulysses_heads(probe)[1], head_dim=probe.head_dim,
             block_size=block_size, budget_bytes=budget_bytes, max_rows=rows_per_request * requests_per_forward,
             scratch_tokens_per_row=scratch, dtype=dtype, device=str(device), kernel=kernel,
             inner_compiler=inner_compiler,
         )
+        if getattr(probe, "sp_size", 1) > 1:
+            # Ulysses keeps K/V at their KV heads (vllm_omni_hunyuan: the layer's compressed-K/V branch), so
+            # vllm-omni's SDPA backend does the GQA and logs a debug line doing it: a graph break unless ignored.
+            from vllm_omni.diffusion.attention.backends import sdpa as _sdpa
+
+            torch._dynamo.config.ignore_logging_functions.add(_sdpa.logger.debug)
         runtime = PagedKVRuntime(cfg)
         runtime.allow_unconfigured_buckets()  # prompt lengths are the requests'; each new shape compiles once
         serving = cls(model, runtime, rows_per_request)
@@ -241,7 +248,8 @@ class HunyuanServing:
         items = [(self.step_owners[group[r % n]][r // n], phase,
                   {"prefix_capacity": capacity, "attention_mask": mask[r:r + 1]}) for r in range(rows)]
         probe = self.adapter.managers[0]
-        standin = self.runtime.standin(rows, capacity, probe.num_kv_heads, probe.head_dim, writable=True)
+        standin = self.runtime.standin(rows, capacity, vllm_omni_hunyuan.ulysses_heads(probe)[1], probe.head_dim,
+                                       writable=True)
         for manager in self.adapter.managers:
             manager._paged_kv_cache = (standin, standin)
         # `HunYuanRotary2DEmbedder` keeps the cos/sin of the first later step and reuses them until the next first
@@ -285,11 +293,21 @@ class HunyuanServing:
         if kwargs.get("paged_kv_cached_prefix_len") or kwargs.get("ar_kv_reuse_len"):
             raise RequestError("prefix-cache hits and imported AR KV are not served by this runner; use "
                                "diffusion_kv_mode='dense_legacy' with it")
+        if first and self.ulysses > 1:
+            image = int(kwargs["attention_mask"].shape[-1]) - int(kwargs["gen_timestep_scatter_index"][0, -1])
+            if image % self.ulysses:
+                raise ConfigError(
+                    f"request {self.request_id!r}: its first step's {image} timestep + image + <eoi> tokens are not a "
+                    f"multiple of ulysses_degree={self.ulysses}, so vllm-omni pads its image shard, which our plan "
+                    "does not describe; choose a degree dividing them, or tensor / CFG parallel"
+                )
         owner = self._admit(kwargs) if first else self.owner_id
         if owner is None:
             raise RequestError(f"request {self.request_id!r} ran a denoising step before its first step")
+        u, target = self.ulysses, int(kwargs["num_image_tokens"])
+        pad = 0 if first or u <= 1 else -target % u  # vllm-omni's Ulysses pads a step's image shard to the degree
         with self.adapter.forward(owner, phase="prefill" if first else "step",
-                                  attention_mask=kwargs["attention_mask"]):
+                                  attention_mask=kwargs["attention_mask"], step_padding=pad):
             return self._dense_forward(**kwargs)
 
 
@@ -321,6 +339,9 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
             utilization = float(self.vllm_config.cache_config.gpu_memory_utilization)
             budget = int(current_omni_platform.get_free_memory(torch.device(self.device)) * utilization)
         options = _options(self.od_config)
+        if int(getattr(getattr(self.od_config, "parallel_config", None), "ring_degree", 1) or 1) > 1:
+            raise ConfigError("ring sequence parallel HunyuanImage-3 is not paged by PagedKVHunyuanModelRunner: "
+                              "use ring_degree=1 (strict Ulysses, tensor or CFG parallel)")
         inner = options.get("inner_compiler") or ("eager" if self.od_config.enforce_eager else "inductor")
         rows = int(getattr(self.od_config, "diffusion_kv_max_rows_per_request", None) or 2)
         step_mode = bool(getattr(self.od_config, "step_execution", False))
@@ -331,6 +352,10 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
             inner_compiler=inner, scratch_tokens_per_row=options.get("scratch_tokens_per_row"),
         )
         if step_mode:
+            if self.paged_kv.ulysses > 1:
+                raise ConfigError("step execution with sequence parallel HunyuanImage-3 is not served by "
+                                  "PagedKVHunyuanModelRunner (its step groups are not planned with Ulysses' shard "
+                                  "padding): use step_execution=False (request mode) with ulysses_degree > 1")
             self.paged_kv.attach_step_mode(self.pipeline)
         # Our bracket checks the request's cancellation signal at every transformer call.
         self.pipeline.supports_request_cancellation = True
@@ -370,6 +395,6 @@ class PagedKVHunyuanModelRunner(DiffusionModelRunner):
         try:
             with self.paged_kv.serving(req.request_id):
                 return super().execute_model(req, kv_prefetch_job=kv_prefetch_job)
-        except CapacityError as exc:
+        except (CapacityError, ConfigError) as exc:  # refused before admission: the engine serves the next one
             logger.warning("request %s not admitted: %s", req.request_id, exc)
             return DiffusionOutput(error=str(exc), error_type=type(exc).__name__)

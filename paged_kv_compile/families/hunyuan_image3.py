@@ -175,8 +175,9 @@ class HunyuanImage3Family(Family):
         The layout is read from the model's own prefill `attention_mask` once per request (required at the
         prefill): which dense token is which logical position, where each row's padding sits (left, middle,
         right; causal pads are kept tokens nobody reads), what each query sees. It is checked against the
-        spec. A step feeds the `target_len` tokens after each row's prompt; its mask, when given, is checked
-        against that layout once per request.
+        spec. A step feeds the `target_len` tokens after each row's prompt (plus `step_padding` trailing tokens
+        under sequence parallel, keys no target query sees); its mask, when given, is checked against that layout
+        once per request (unpadded steps).
         """
         spec: HunyuanSpec = owner.spec
         if kind not in KINDS:
@@ -190,10 +191,19 @@ class HunyuanImage3Family(Family):
                 f"prefix_capacity={prefix_capacity} is below the longest prompt ({max(spec.prefix_lens)} tokens); "
                 "pad prompts to a capacity at least that long"
             )
-        phase = self._plan_prefill if kind == "prefill" else self._plan_step
-        layouts, key_positions, taken, state, tokens = phase(owner, blocks, prefix_capacity, attention_mask)
+        # Sequence-parallel step padding (vllm-omni's Ulysses pads a step's image shard to a multiple of the
+        # degree): `step_padding` tokens after the target, keys no target query sees, dropped by the model after.
+        pad = int(args.get("step_padding") or 0) if kind == "step" else 0
+        if pad < 0:
+            raise RequestError(f"step_padding={pad} must be >= 0 (the padded tokens after the target)")
+        if kind == "prefill":
+            layouts, key_positions, taken, state, tokens = self._plan_prefill(owner, blocks, prefix_capacity,
+                                                                              attention_mask)
+        else:
+            layouts, key_positions, taken, state, tokens = self._plan_step(owner, blocks, prefix_capacity,
+                                                                           attention_mask, pad)
         # A prefill's layout comes from its mask, which no cheap key names: it is always built (once per request).
-        key = (owner.serial, kind, owner.version, prefix_capacity) if kind == "step" else ()
+        key = (owner.serial, kind, owner.version, prefix_capacity, pad) if kind == "step" else ()
         return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, taken, key,
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
@@ -233,10 +243,10 @@ class HunyuanImage3Family(Family):
         return layouts, key_positions, taken, HunyuanRecord(mask_layouts), len(mask_layouts[0].positions)
 
     def _plan_step(self, owner: Owner, blocks: BlockSource, prefix_capacity: int,
-                   attention_mask: torch.Tensor | None) -> tuple:
+                   attention_mask: torch.Tensor | None, pad: int = 0) -> tuple:
         """(layouts, key positions, blocks taken, record, tokens) of a denoising step: the target span after each
-        row's prompt, laid out as the prefill's mask said (the same at every step: reused), its mask checked
-        against that layout once per request."""
+        row's prompt (and `pad` trailing tokens), laid out as the prefill's mask said (the same at every step:
+        reused), its mask checked against that layout once per request (an unpadded step's)."""
         spec: HunyuanSpec = owner.spec
         mask_layouts = owner.state.layouts
         B, T = blocks.block_size, spec.target_len
@@ -244,20 +254,22 @@ class HunyuanImage3Family(Family):
         def make() -> tuple[list[RowLayout], list[torch.Tensor]]:
             layouts, key_positions = [], []
             for r, (row, p, ml) in enumerate(zip(owner.rows, spec.prefix_lens, mask_layouts)):
-                positions = torch.arange(p, p + T, dtype=torch.int32)
-                ends, seq_len = ml.ends_by_position[p : p + T], p + T
+                positions = torch.arange(p, p + T + pad, dtype=torch.int32)
+                ends, seq_len = ml.ends_by_position[p : p + T], p + T + pad
+                if pad:  # a pad query sees every key (its output is dropped); no target query sees a pad
+                    ends = torch.cat([ends, torch.full((pad,), seq_len, dtype=ends.dtype)])
                 key_positions.append(_step_key_positions(ml, p, prefix_capacity, positions))
                 scratch = blocks.scratch(r, len(row), (seq_len - 1) // B)
-                layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len, max_position=p + T - 1))
+                layouts.append(RowLayout.build(row, scratch, positions, ends, seq_len, max_position=seq_len - 1))
             return layouts, key_positions
 
         layouts, key_positions = reuse_layouts(owner, ("step", owner.version, prefix_capacity,
-                                                       blocks.first_scratch_row), make)
+                                                       blocks.first_scratch_row, pad), make)
         state = None
-        if attention_mask is not None and not owner.state.step_mask_checked:
+        if attention_mask is not None and not pad and not owner.state.step_mask_checked:
             _check_step_mask(mask_rows(attention_mask, len(spec.prefix_lens)), layouts, key_positions)
             state = HunyuanRecord(mask_layouts, step_mask_checked=True)
-        return layouts, key_positions, [], state, T
+        return layouts, key_positions, [], state, T + pad
 
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
         """Nothing moves (the prefix was written in place, or into the blocks a prefill after a reset took); the

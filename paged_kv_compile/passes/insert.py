@@ -63,6 +63,9 @@ def to_bshd(graph: fx.Graph, read: LeafRead, start: int, stop: int) -> fx.Node:
         node = graph.call_method("permute", (node, *axes))
     if (start, stop) != (0, read.shape[read.seq_dim]):
         node = graph.call_function(operator.getitem, (node, (slice(None), slice(start, stop))))
+    if read.heads is not None:
+        first, count = read.heads
+        node = graph.call_function(operator.getitem, (node, (slice(None), slice(None), slice(first, first + count))))
     return node
 
 

@@ -32,6 +32,7 @@ class LeafRead:
     select_dim: int | None = None
     batch_dim: int = 0
     feature_dim: int = -1  # which dim is head_dim (the last unless the selector comes after it)
+    heads: tuple[int, int] | None = None  # (first, count) when the input reads only these heads of the leaf
 
     def bshd_axes(self) -> tuple[int, int, int, int]:
         """(batch, seq, heads, head_dim) axes of the leaf read as `shape` once the selector axis is indexed away."""
@@ -117,29 +118,47 @@ def _read_shapes(shape: tuple[int, ...], head_dim: int, batch: int, heads: int):
 
 def _leaf_read(leaf: fx.Node, flat: torch.Tensor) -> tuple[LeafRead, list[int]] | None:
     """How `leaf` is read, given the flat offsets (B, H, cols, D) of the columns that read it, and the sequence
-    position of each of those columns; None when no axis order maps batch, heads and head_dim as the op does."""
-    Bx, Hx, _, Dx = flat.shape
-    b_idx = torch.arange(Bx).view(-1, 1, 1, 1)
-    d_idx = torch.arange(Dx).view(1, 1, 1, -1)
-    for shape, (kv, b, s, h, d) in _read_shapes(tuple(example(leaf).shape), Dx, Bx, Hx):
-        if shape[b] != Bx or shape[d] != Dx or Hx % shape[h]:
-            continue
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * shape[i + 1]
-        coords = [(flat // strides[i]) % shape[i] for i in range(len(shape))]
-        h_idx = (torch.arange(Hx) // (Hx // shape[h])).view(1, -1, 1, 1)  # GQA: head h reads kv head h // rep
-        if (
-            bool((coords[b] == b_idx).all())
-            and bool((coords[h] == h_idx).all())
-            and bool((coords[d] == d_idx).all())
-            and bool((coords[s] == coords[s][:1, :1, :, :1]).all())
-            and (kv is None or bool((coords[kv] == coords[kv].flatten()[0]).all()))
-        ):
-            kv_index = None if kv is None else int(coords[kv].flatten()[0])
-            read = LeafRead(leaf, shape, s, h, kv_index, kv, b, d)
-            return read, coords[s][0, 0, :, 0].tolist()
+    position of each of those columns; None when no axis order maps batch, heads and head_dim as the op does.
+
+    A read of all the leaf's heads is preferred; failing that, a contiguous subset of them (a Ulysses rank's heads
+    of a replicated tensor: vllm-omni's joint text prefix, sliced by head rank)."""
+    candidates = _read_shapes(tuple(example(leaf).shape), flat.shape[3], flat.shape[0], flat.shape[1])
+    for subset in (False, True):
+        for shape, axes in candidates:
+            found = _read_as(leaf, flat, shape, axes, subset)
+            if found is not None:
+                return found
     return None
+
+
+def _read_as(leaf: fx.Node, flat: torch.Tensor, shape: tuple[int, ...], axes: tuple, subset: bool
+             ) -> tuple[LeafRead, list[int]] | None:
+    """`leaf` read as `shape` with (selector, batch, seq, head, dim) `axes`, if every offset agrees: each query
+    head h reads kv head first + h // rep (GQA), all of them (`subset=False`) or a contiguous range."""
+    Bx, Hx, _, Dx = flat.shape
+    kv, b, s, h, d = axes
+    if shape[b] != Bx or shape[d] != Dx or (not subset and Hx % shape[h]):
+        return None
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    coords = [(flat // strides[i]) % shape[i] for i in range(len(shape))]
+    first = int(coords[h].min()) if subset else 0
+    count = int(coords[h].max()) - first + 1 if subset else shape[h]
+    if Hx % count or (subset and count == shape[h]):
+        return None
+    h_idx = (first + torch.arange(Hx) // (Hx // count)).view(1, -1, 1, 1)
+    if not (
+        bool((coords[b] == torch.arange(Bx).view(-1, 1, 1, 1)).all())
+        and bool((coords[h] == h_idx).all())
+        and bool((coords[d] == torch.arange(Dx).view(1, 1, 1, -1)).all())
+        and bool((coords[s] == coords[s][:1, :1, :, :1]).all())
+        and (kv is None or bool((coords[kv] == coords[kv].flatten()[0]).all()))
+    ):
+        return None
+    kv_index = None if kv is None else int(coords[kv].flatten()[0])
+    heads = (first, count) if subset else None
+    return LeafRead(leaf, shape, s, h, kv_index, kv, b, d, heads), coords[s][0, 0, :, 0].tolist()
 
 
 def provenance(node: fx.Node, writes: InPlaceSteps | None = None) -> tuple[Provenance | None, str]:

@@ -314,6 +314,9 @@ def analyze(node: fx.Node, standins: set[fx.Node], stores: list[fx.Node], params
     if isinstance(joining, str):
         return joining
     keys.joining = joining
+    if any(reads.provs[n].reads[leaf].heads is not None for n in ("key", "value")
+           for leaf, _ in reads.provs[n].columns if leaf in standins):
+        return "the keys/values read only some heads of a cache stand-in (its stand-in must hold the heads read)"
     cache = _cache_read(reads.provs, standins)
     if isinstance(cache, str):
         return cache

@@ -231,22 +231,31 @@ def tick(runner, step_id: int, new=(), cached=(), finished=()):
 
 
 def serve_on_rank(full_weights: dict[str, torch.Tensor], prompt_ids: list[torch.Tensor], seed: int,
-                  model_config: dict | None, available_bytes: int | None) -> dict[str, Any]:
+                  model_config: dict | None, available_bytes: int | None,
+                  parallel: dict[str, Any] | None = None, steps: int = 3) -> dict[str, Any]:
     """A rank task (`multirank.RankPool.run`): this rank's pipeline (tensor-parallel layers at the rank's TP
     size) loaded with the one-rank weights, served one fp32 request by the runner `model_config` selects (ours
-    when given, else the plain dense runner); returns the image and, for ours, the pool's bytes and KV heads."""
+    when given, else the plain dense runner); returns the image and, for ours, the pool's bytes and KV heads.
+    `parallel`: the deployment's `parallel_config` (e.g. {"ulysses_degree": 2}); with sequence parallelism the
+    model gets vllm-omni's `_sp_plan` hooks as its loader applies them (`registry._apply_sequence_parallel_if_enabled`)."""
     from .multirank import load_full_weights, rank_info
 
     from paged_kv_compile.adapters.vllm_omni_hunyuan_runner import RUNNER_PATH
 
+    torch._dynamo.reset()  # a rank serves several tests' tasks: each compiles afresh (dynamo's recompile limit)
     with fp32_pipeline():
         od = diffusion_config(dtype=torch.float32, **({"runner_cls": RUNNER_PATH, "model_config": model_config}
-                                                      if model_config is not None else {}))
+                                                      if model_config is not None else {}),
+                              **({"parallel_config": dict(parallel)} if parallel else {}))
         with vllm_omni_cpu.model_context(od):
             pipeline = build_pipeline(od)
             load_full_weights(pipeline, full_weights)
+            if parallel:
+                from vllm_omni.diffusion.registry import _apply_sequence_parallel_if_enabled
+
+                _apply_sequence_parallel_if_enabled(pipeline, od)
             runner = build_runner(pipeline, od, available_bytes=available_bytes)
-            out = serve(runner, make_request("r", prompt_ids, seed=seed))
+            out = serve(runner, make_request("r", prompt_ids, seed=seed, steps=steps))
             if out.error:
                 raise RuntimeError(out.error)
             report = {"image": out.output["payload"]["image"], **rank_info()}
@@ -257,3 +266,68 @@ def serve_on_rank(full_weights: dict[str, torch.Tensor], prompt_ids: list[torch.
                               rows=runtime.config.max_rows, at_baseline=runtime.owner_ids() == []
                               and runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer)
             return report
+
+
+@contextlib.contextmanager
+def rows_alone(model) -> Iterator[None]:
+    """Inside the block, each `HunyuanImage3Model.forward` of `model` (the loaded `pipeline.model`) runs its CFG
+    rows one at a time, each a batch of one with its own layer state: what a CFG-parallel rank computes for its
+    row (the row sliced out at the first step, its own prompt cache and step mask after), on one rank.
+
+    The oracle of CFG-parallel runs: a batched forward is not one, because vllm-omni's `RotaryEmbedding` applies
+    `cos[0]` / `sin[0]` to every row (`_prepare_half_head_dim_cos_sin`), so with right-padded rows of different
+    prompt lengths row 1 gets row 0's image positions. A step row keeps its own prompt columns of the merged step
+    mask (`[its prompt | zero padding to the longest | target]`, `_update_model_kwargs_for_generation`)."""
+    managers = [m for m in model.modules() if hasattr(m, "image_kv_cache_map") and hasattr(m, "_cache_prompt_kv")]
+    embedders = [m.image_rope2d_emb for m in model.modules() if hasattr(m, "image_rope2d_emb")]
+    states: dict[int, tuple] = {}  # row -> (each manager's prompt cache and lens, each embedder's cos/sin)
+    dense = model.forward
+
+    def swap_in(row: int) -> None:
+        saved = states.get(row)
+        for i, m in enumerate(managers):
+            m.image_kv_cache_map, m.image_kv_cache_lens = saved[0][i] if saved else (None, None)
+        for i, e in enumerate(embedders):
+            e.custom_pos_emb = saved[1][i] if saved else None
+
+    def swap_out(row: int) -> None:
+        states[row] = ([(m.image_kv_cache_map, m.image_kv_cache_lens) for m in managers],
+                       [e.custom_pos_emb for e in embedders])
+
+    def forward(**kwargs):
+        mask, scatter = kwargs["attention_mask"], kwargs["gen_timestep_scatter_index"]
+        rows, first = int(mask.shape[0]), bool(kwargs.get("first_step"))
+        target = int(kwargs["num_image_tokens"])
+        if first:
+            states.clear()
+        outs = []
+        for r in range(rows):
+            row = dict(kwargs)
+            for key in ("inputs_embeds", "input_ids", "position_ids", "gen_timestep_scatter_index"):
+                if isinstance(row.get(key), torch.Tensor):
+                    row[key] = row[key][r:r + 1]
+            row["custom_pos_emb"] = tuple(t[r:r + 1] for t in kwargs["custom_pos_emb"])
+            if isinstance(row.get("full_attn_spans"), list):
+                row["full_attn_spans"] = row["full_attn_spans"][r:r + 1]
+            row_mask = mask[r:r + 1]
+            if not first:  # the merged step mask pads each prompt to the longest: keep this row's columns
+                longest, own = int(mask.shape[-1]) - target, int(scatter[r, -1])
+                row_mask = torch.cat([row_mask[..., :own], row_mask[..., longest:]], dim=-1)
+            row["attention_mask"] = row_mask
+            row["query_lens"] = [kwargs["query_lens"][r]]
+            row["seq_lens"] = [int(row_mask.shape[-1])]
+            swap_in(r)
+            outs.append(dense(**row))
+            swap_out(r)
+        hidden = torch.cat([o[0] for o in outs], dim=0)
+        if isinstance(outs[0], tuple):
+            return (hidden, *outs[0][1:])
+        outs[0].last_hidden_state = hidden
+        return outs[0]
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        model.__dict__.pop("forward", None)
+        swap_in(-1)

@@ -10,6 +10,8 @@ changes.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -260,3 +262,47 @@ def test_hunyuan_runner_step_batching_requests_at_different_steps(omni):
     errs = {k: float((r.output["payload"]["image"] - alone[f"done-{k}"]).abs().max()) for k, r in done.items()}
     print(f"step batching vs each request alone (fp32): {errs}")
     assert sorted(errs) == ["a", "b"] and max(errs.values()) <= ATOL, errs
+
+
+def _dense_image(omni, prompts, *, alone: bool) -> torch.Tensor:
+    """The plain runner's fp32 dense image of `prompts`: one batched forward per step, or each CFG row alone
+    (`hunyuan_runner.rows_alone`: what a CFG-parallel rank computes for its row)."""
+    od = hr.diffusion_config(dtype=torch.float32)
+    with omni.model_context(od):
+        pipeline = hr.build_pipeline(od)
+        runner = hr.build_runner(pipeline, od)
+        with hr.rows_alone(pipeline.model) if alone else contextlib.nullcontext():
+            return hr.serve(runner, hr.make_request("r", prompts)).output["payload"]["image"]
+
+
+def _per_row_rope(self, cos, sin):
+    """`RotaryEmbedding._prepare_half_head_dim_cos_sin` keeping each row's cos/sin (no `cos[0]`):
+    `apply_rotary_emb_torch` broadcasts (B, S, D/2) tables per row."""
+    if not self.half_head_dim:
+        cos = cos[..., ::2] if self.interleaved else cos[..., : cos.shape[-1] // 2]
+        sin = sin[..., ::2] if self.interleaved else sin[..., : sin.shape[-1] // 2]
+    return cos, sin
+
+
+def test_hunyuan_batched_cfg_differs_from_rows_alone_only_by_the_rope_row0_defect(omni, monkeypatch):
+    """vllm-omni's batched CFG forward is not the oracle of a CFG-parallel rank: its `RotaryEmbedding` applies
+    row 0's cos/sin to both rows, so right-padded rows of different prompt lengths (7 and 4 tokens) put row 1's
+    image at row 0's positions and the image moves. Shown three ways: with equal prompt lengths (both rows'
+    positions equal) the batched run and the rows-alone run agree; at 7/4 they differ; and at 7/4 the batched
+    run with the RoPE given each row's own cos/sin agrees with rows alone again (so the difference is that line,
+    not the padding or the prompt cache)."""
+    from vllm_omni.diffusion.layers.rope import RotaryEmbedding
+
+    with hr.fp32_pipeline():
+        diffs = {}
+        for lens in ((7, 4), (5, 5)):
+            prompts = _prompts(0, lens=lens)
+            batched, alone = (_dense_image(omni, prompts, alone=a) for a in (False, True))
+            diffs[lens] = (float((batched - alone).abs().max()), float(alone.abs().max()))
+        monkeypatch.setattr(RotaryEmbedding, "_prepare_half_head_dim_cos_sin", _per_row_rope)
+        prompts = _prompts(0, lens=(7, 4))
+        fixed = float((_dense_image(omni, prompts, alone=False) - _dense_image(omni, prompts, alone=True)).abs().max())
+    print(f"fp32 dense, batched CFG vs each row alone (max diff, output scale): {diffs}; "
+          f"batched with per-row RoPE vs rows alone at 7/4: {fixed}")
+    assert diffs[(5, 5)][0] <= ATOL and fixed <= ATOL, (diffs, fixed)
+    assert diffs[(7, 4)][0] > 100 * ATOL, diffs

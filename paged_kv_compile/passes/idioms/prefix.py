@@ -58,7 +58,8 @@ def match_prefix_step(site: Site) -> Match | str:
 
 def match_prefill_store(site: Site) -> Match | str:
     """The prefill: the whole sequence projected, its first P keys stored into the cache stand-in (per row,
-    zero-padded: ``torch.where(valid, key[:, :P], 0)``), attention over the new keys only with the full mask."""
+    zero-padded: ``torch.where(valid, key[:, :P], 0)``), attention over the new keys only with the full mask.
+    The new keys may come from several tensors joined along the sequence (Ulysses: text prefix, then image)."""
     why = _masked(site)
     if why:
         return why
@@ -66,8 +67,8 @@ def match_prefill_store(site: Site) -> Match | str:
         return "it reads cached keys (a prefill attends over its new keys only)"
     if not site.writes.stores:
         return "no cached prefix is read and none is stored: not a KV-cache site"
-    if len(site.keys.new_sizes) != 1:
-        return "a prefill attends over one freshly projected key tensor"
+    # several new key tensors in sequence order: under Ulysses the joint text prefix (this rank's heads of the
+    # replicated prompt) then the image tokens an all-to-all received; the op reads them concatenated
     return Match("prefill-store", PrefixExpect(site.writes.length, "prefill-store"))
 
 
