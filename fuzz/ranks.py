@@ -176,7 +176,7 @@ class RankWorld:
             if fault and layer == 0:
                 raise InjectedFault(f"injected on rank {self.rank} after layer 0")
         if attend:
-            runtime.record_layers(range(CFG.num_layers))
+            runtime.active.record_layers(range(CFG.num_layers))
         return torch.stack(outs) if outs else torch.empty(0)
 
     # ---- operations -----------------------------------------------------------------------------------------

@@ -118,14 +118,14 @@ def attention_check_before_vote_task() -> dict:
     none (its blocks ran eagerly: "no paged attention ran" refuses it). Both must roll back: the refusal is checked
     before the end vote."""
     rt = _runtime(_tp())
-    rt.runtime.bound = True  # as runtime.bind(model.blocks) leaves it; the sites are simulated by record_layers
+    rt.runtime.bound = True  # as runtime.bind(model.blocks) leaves it; the sites are simulated by active.record_layers
     rt.admit("s", SPEC, rows=2)
     before = rt.state()
 
     def commit():
         with rt.forward("s", "commit", branch=0):
             if _rank() == 0:
-                rt.record_layers(range(CFG.num_layers))
+                rt.active.record_layers(range(CFG.num_layers))
 
     out = {"commit": _outcome(commit), "unchanged": rt.state() == before}
     out["state"] = rt.state()

@@ -287,19 +287,19 @@ def test_session_state_refuses_a_context_reused_after_its_forward_ended(omni, om
     every_layer = range(kv.runtime.config.num_layers)  # what the compiled sites record (no model runs here)
     for branch in ("positive", "negative"):  # the first chunk, committed on both branches
         state.get_kv_caches(branch, seq_len=fs, commit_current=True)[0].forward_ctx.prepare(torch.device("cpu"), 0, fs)
-        kv.runtime.record_layers(every_layer)
+        kv.runtime.active.record_layers(every_layer)
         state.commit_paged_context(branch)
     chunk, registers = GEOMETRY.num_frame_per_block * fs, GEOMETRY.num_action_per_block + GEOMETRY.num_state_per_block
     first = state.get_kv_caches("positive", seq_len=chunk)  # a denoising step of the next chunk, per branch
     first[0].forward_ctx.prepare(torch.device("cpu"), registers, chunk + registers)
-    kv.runtime.record_layers(every_layer)
+    kv.runtime.active.record_layers(every_layer)
     second = state.get_kv_caches("negative", seq_len=chunk)
     second[0].forward_ctx.prepare(torch.device("cpu"), registers, chunk + registers)  # closes the positive forward
     active = kv.runtime.active
     with pytest.raises(RuntimeError, match="'positive' reused after its forward ended"):
         first[1].forward_ctx.prepare(torch.device("cpu"), registers, chunk + registers)
     assert kv.runtime.active is active, "the open forward changed"
-    kv.runtime.record_layers(every_layer)
+    kv.runtime.active.record_layers(every_layer)
     state.end_invocation()
 
 
