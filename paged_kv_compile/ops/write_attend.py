@@ -1,7 +1,7 @@
 """The ``paged_kv::write_attend`` and ``paged_kv::attend`` custom ops: schema, fake kernel, checks, dispatch.
 
 ``write_attend`` mutates exactly one argument, the stacked all-layer pool, so Inductor re-inplaces it
-instead of cloning the pool (README.md, "Pool"; tests/test_op_compile.py checks the generated code).
+instead of cloning the pool (README.md, "Words used here": pool; tests/test_op_compile.py checks the generated code).
 ``attend`` is the read-only twin for static regions. Kernels live in sibling modules and are imported
 only when selected: importing this module pulls in neither triton nor any vendor package.
 
