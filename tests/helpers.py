@@ -54,6 +54,16 @@ def hunyuan_qkv(attention, hidden_states, rope_cos, rope_sin):
     return q, k, v
 
 
+def hunyuan_qkv_cached(attention, hidden_states, rope_cos, rope_sin, past_key_value, prefix_valid, mode):
+    """`hunyuan_qkv`, then the layer's dense cache idiom: the prefill stores its K/V, a step reads [cache | new]."""
+    q, k, v = hunyuan_qkv(attention, hidden_states, rope_cos, rope_sin)
+    if mode == "prefill":
+        past_key_value.store(k, v, prefix_valid)
+    else:
+        k, v = past_key_value.extend(k, v)
+    return q, k, v
+
+
 def left_padded_mask(spec, capacity: int) -> torch.Tensor:
     """`spec.padded_mask(capacity)` ([prompt | pad | target] per row) with each row's padding moved to the left
     ([pad | prompt | target]): the same spec, other dense columns (a retry or re-prefill with another layout)."""

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import hunyuan_qkv, raises_paged
+from helpers import hunyuan_qkv_cached, raises_paged
 from test_pass_matching import ATOL, _run_dreamzero, _run_hunyuan
 
 from paged_kv_compile import PassError
@@ -103,11 +103,7 @@ def _dreamzero(attend):
 def _hunyuan(attend):
     def forward(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
         b, s, _ = hidden_states.shape
-        q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
-        if mode == "prefill":
-            past_key_value.store(k, v, prefix_valid)
-        else:
-            k, v = past_key_value.extend(k, v)
+        q, k, v = hunyuan_qkv_cached(self, hidden_states, rope_cos, rope_sin, past_key_value, prefix_valid, mode)
         k = k.transpose(1, 2).repeat_interleave(self.n_rep, dim=1)
         v = v.transpose(1, 2).repeat_interleave(self.n_rep, dim=1)
         out = attend(q.transpose(1, 2), k, v, self.head_dim, attention_mask)

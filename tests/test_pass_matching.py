@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CountingBackend, compile_blocks, hunyuan_qkv, raises_paged
+from helpers import CountingBackend, compile_blocks, hunyuan_qkv, hunyuan_qkv_cached, raises_paged
 
 from paged_kv_compile import PassError, RequestError
 from paged_kv_compile.driver import paged_run
@@ -74,11 +74,7 @@ def hunyuan_additive_interleave(self, hidden_states, rope_cos, rope_sin, attenti
 def hunyuan_tiled_gqa(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """Another GQA head mapping (query head h uses kv head h % Hkv): not what the paged op computes."""
     b, s, _ = hidden_states.shape
-    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
-    if mode == "prefill":
-        past_key_value.store(k, v, prefix_valid)
-    else:
-        k, v = past_key_value.extend(k, v)
+    q, k, v = hunyuan_qkv_cached(self, hidden_states, rope_cos, rope_sin, past_key_value, prefix_valid, mode)
     k = k.transpose(1, 2).repeat(1, self.n_rep, 1, 1)
     v = v.transpose(1, 2).repeat(1, self.n_rep, 1, 1)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=attention_mask)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CountingBackend, compile_blocks, hunyuan_qkv, raises_paged
+from helpers import CountingBackend, compile_blocks, hunyuan_qkv, hunyuan_qkv_cached, raises_paged
 
 from paged_kv_compile import PassError
 from paged_kv_compile.driver import paged_run
@@ -216,11 +216,7 @@ def _hy_out(self, out, b, s):
 def hy_enable_gqa(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """No repeat_kv: SDPA's enable_gqa does the head sharing (head h uses kv head h // rep)."""
     b, s, _ = hidden_states.shape
-    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
-    if mode == "prefill":
-        past_key_value.store(k, v, prefix_valid)
-    else:
-        k, v = past_key_value.extend(k, v)
+    q, k, v = hunyuan_qkv_cached(self, hidden_states, rope_cos, rope_sin, past_key_value, prefix_valid, mode)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=attention_mask, enable_gqa=True)
     return _hy_out(self, out, b, s)
@@ -268,11 +264,7 @@ def hy_prefix_after_new(self, hidden_states, rope_cos, rope_sin, attention_mask,
 def hy_is_causal(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """is_causal=True instead of the model's causal/bidirectional mask."""
     b, s, _ = hidden_states.shape
-    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
-    if mode == "prefill":
-        past_key_value.store(k, v, prefix_valid)
-    else:
-        k, v = past_key_value.extend(k, v)
+    q, k, v = hunyuan_qkv_cached(self, hidden_states, rope_cos, rope_sin, past_key_value, prefix_valid, mode)
     k = hy.repeat_kv(k.transpose(1, 2), self.n_rep)
     v = hy.repeat_kv(v.transpose(1, 2), self.n_rep)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
@@ -330,11 +322,7 @@ def hy_store_before_rope(self, hidden_states, rope_cos, rope_sin, attention_mask
 def hy_prefill_dropout(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """Dropout in the prefill forward only: the prefill site is refused, the step sites alone would match."""
     b, s, _ = hidden_states.shape
-    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
-    if mode == "prefill":
-        past_key_value.store(k, v, prefix_valid)
-    else:
-        k, v = past_key_value.extend(k, v)
+    q, k, v = hunyuan_qkv_cached(self, hidden_states, rope_cos, rope_sin, past_key_value, prefix_valid, mode)
     k = hy.repeat_kv(k.transpose(1, 2), self.n_rep)
     v = hy.repeat_kv(v.transpose(1, 2), self.n_rep)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=attention_mask,
@@ -345,11 +333,7 @@ def hy_prefill_dropout(self, hidden_states, rope_cos, rope_sin, attention_mask, 
 def hy_own_causal_mask(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
     """The layer narrows the mask it is given to plain causal (the image span loses its bidirectionality)."""
     b, s, _ = hidden_states.shape
-    q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
-    if mode == "prefill":
-        past_key_value.store(k, v, prefix_valid)
-    else:
-        k, v = past_key_value.extend(k, v)
+    q, k, v = hunyuan_qkv_cached(self, hidden_states, rope_cos, rope_sin, past_key_value, prefix_valid, mode)
     L = k.shape[1]
     mask = attention_mask & torch.ones(s, L, dtype=torch.bool).tril(L - s)
     k = hy.repeat_kv(k.transpose(1, 2), self.n_rep)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hunyuan_qkv
+from helpers import hunyuan_qkv_cached
 from test_pass_matching import ATOL, _run_hunyuan
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -22,11 +22,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 def _with_pi0_attend(attend):
     def forward(self, hidden_states, rope_cos, rope_sin, attention_mask, past_key_value, prefix_valid, mode):
         b, s, _ = hidden_states.shape
-        q, k, v = hunyuan_qkv(self, hidden_states, rope_cos, rope_sin)
-        if mode == "prefill":
-            past_key_value.store(k, v, prefix_valid)
-        else:
-            k, v = past_key_value.extend(k, v)
+        q, k, v = hunyuan_qkv_cached(self, hidden_states, rope_cos, rope_sin, past_key_value, prefix_valid, mode)
         additive = torch.zeros(attention_mask.shape, dtype=q.dtype).masked_fill(~attention_mask, float("-inf"))
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), additive, self.n_rep,
                      self.head_dim**-0.5)
