@@ -138,9 +138,9 @@ class PagedKVRuntime:
 
         expect_attention=False: the body deliberately runs no paged attention (a test or a benchmark of the
         runtime's own host work); otherwise a forward in which none ran is refused (`_check_attention_ran`)."""
-        # Refusals that concern another forward come first and roll nothing back: the plan in flight
-        # belongs to the active forward (nesting), or this plan was already finished/aborted (stale; its
-        # blocks may belong to someone else by now, so it must never run).
+        # Refusals that concern another forward come first: a forward while one is active (nesting; a plan made
+        # inside a warm-up is handed back, the active forward's own plan is left alone), or a plan already
+        # finished/aborted (stale; its blocks may belong to someone else by now, so it must never run).
         if self.active is not None:
             if self.scheduler.in_flight is plan and plan is not self.active.plan:  # planned inside a warm-up
                 self.scheduler.abort_forward(plan)

@@ -42,7 +42,9 @@ def _cross(seed: int) -> list[torch.Tensor]:
     return [torch.randn(2, 2, CFG.cross_len, CFG.num_heads, CFG.head_dim, generator=gen) for _ in range(CFG.num_layers)]
 
 
-def test_multirank_refused_admission_restores_the_evicted_sessions_kv(world, monkeypatch):
+def _one_session_holding_regions(world):
+    """A one-session pool whose session "old" holds shared regions: the next admission evicts it and reuses their
+    blocks. Returns (runtime, ranks, spec, the absolute pool index of those region blocks in every layer)."""
     runtime = PagedKVRuntime(dreamzero_runtime_config(CFG, sessions=1, cross_regions=2, dtype=torch.float32),
                              max_sessions=1)
     ranks = RankRuntime(runtime, ParallelConfig(), group=world)
@@ -50,6 +52,11 @@ def test_multirank_refused_admission_restores_the_evicted_sessions_kv(world, mon
     ranks.admit("old", spec, cross_kv=_cross(1), cache_salt="tenant-a")
     blocks = sorted({b for r in runtime.regions_of("old") for b in r.blocks})
     index = torch.tensor([base + b for base in runtime.pool.layer_bases.tolist() for b in blocks])
+    return runtime, ranks, spec, index
+
+
+def test_multirank_refused_admission_restores_the_evicted_sessions_kv(world, monkeypatch):
+    runtime, ranks, spec, index = _one_session_holding_regions(world)
     kv, before = runtime.pool.tensor[:, index].clone(), runtime.state()
 
     def another_rank_refuses(ballot):
@@ -150,13 +157,7 @@ def _random_calls(alloc, rng: random.Random, n: int) -> None:
 def test_multirank_a_region_write_that_faults_after_an_eviction_restores_the_evicted_session(world, monkeypatch):
     """An admission with shared regions evicts the least recently used session, then its region write faults part-way
     (on this rank only): the evicted session must be live again with its K/V, as on the ranks that restore."""
-    runtime = PagedKVRuntime(dreamzero_runtime_config(CFG, sessions=1, cross_regions=2, dtype=torch.float32),
-                             max_sessions=1)
-    ranks = RankRuntime(runtime, ParallelConfig(), group=world)
-    spec = DreamZeroSpec.from_model_config(CFG)
-    ranks.admit("old", spec, cross_kv=_cross(1), cache_salt="tenant-a")
-    blocks = sorted({b for r in runtime.regions_of("old") for b in r.blocks})
-    index = torch.tensor([base + b for base in runtime.pool.layer_bases.tolist() for b in blocks])
+    runtime, ranks, spec, index = _one_session_holding_regions(world)
     kv, before = runtime.pool.tensor[:, index].clone(), runtime.state()
     write = runtime.pool.write_region
 

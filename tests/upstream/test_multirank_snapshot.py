@@ -8,25 +8,13 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from paged_kv_compile import CapacityError, PagedKVRuntime
 from paged_kv_compile.allocator import VllmBlockPoolAdapter
 from paged_kv_compile.distributed import ParallelConfig, RankRuntime
 from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
 
-from test_multirank_restore import CFG, _random_calls, _refuse_second_vote
-
-
-@pytest.fixture
-def world(tmp_path):
-    """A gloo group of one rank (an existing one is reused: a vllm-omni test may have made it in this process)."""
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if made:
-        dist.destroy_process_group()
+from test_multirank_restore import CFG, _random_calls, _refuse_second_vote, world  # noqa: F401 (a fixture)
 
 
 def _free_order(alloc: VllmBlockPoolAdapter) -> list[int]:

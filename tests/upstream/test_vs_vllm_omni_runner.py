@@ -239,17 +239,24 @@ class _TwoRanks(torch.nn.Module):
         return self.ranks[0 if branch == "positive" else 1](*args, **kwargs)
 
 
+def _session_kv(omni_ctx):
+    """Our paged KV for a fresh tiny vllm-omni DreamZero pipeline (fp32, reference kernel, aot_eager), driven by hand
+    through its session state (no model runs)."""
+    from paged_kv_compile.adapters.vllm_omni_ar_diffusion import DreamZeroPagedKV
+
+    pipeline = dr.build_pipeline(GEOMETRY, omni_ctx)
+    return DreamZeroPagedKV.build(pipeline.transformer, pipeline.ar_diffusion_kv_cache_spec(), available_bytes=BUDGET,
+                                  memory_fraction=0.1, dtype=torch.float32, kernel="reference",
+                                  inner_compiler="aot_eager")
+
+
 def test_session_state_refuses_bad_calls_and_leaves_the_runtime_as_it_was(omni, omni_ctx):
     """What the pipeline could get wrong is refused with the problem named, and the runtime does not change:
     an unknown branch, a frame-misaligned forward, a forward whose size disagrees with the session's window (rolled
     back), a commit never confirmed before the next forward (rolled back)."""
-    from paged_kv_compile.adapters.vllm_omni_ar_diffusion import DreamZeroPagedKV
     from paged_kv_compile.errors import RequestError
 
-    pipeline = dr.build_pipeline(GEOMETRY, omni_ctx)
-    kv = DreamZeroPagedKV.build(pipeline.transformer, pipeline.ar_diffusion_kv_cache_spec(), available_bytes=BUDGET,
-                                memory_fraction=0.1, dtype=torch.float32, kernel="reference",
-                                inner_compiler="aot_eager")
+    kv = _session_kv(omni_ctx)
     state = kv.begin_session("s")
     fs = GEOMETRY.frame_seqlen
     before = kv.runtime.state()
@@ -276,12 +283,7 @@ def test_session_state_refuses_bad_calls_and_leaves_the_runtime_as_it_was(omni, 
 def test_session_state_refuses_a_context_reused_after_its_forward_ended(omni, omni_ctx):
     """A branch's context whose forward was closed (the other branch's forward started) must not run its layers
     inside the forward now open: refused, and the open forward is left as it was."""
-    from paged_kv_compile.adapters.vllm_omni_ar_diffusion import DreamZeroPagedKV
-
-    pipeline = dr.build_pipeline(GEOMETRY, omni_ctx)
-    kv = DreamZeroPagedKV.build(pipeline.transformer, pipeline.ar_diffusion_kv_cache_spec(), available_bytes=BUDGET,
-                                memory_fraction=0.1, dtype=torch.float32, kernel="reference",
-                                inner_compiler="aot_eager")
+    kv = _session_kv(omni_ctx)
     state = kv.begin_session("s")
     fs = GEOMETRY.frame_seqlen
     every_layer = range(kv.runtime.config.num_layers)  # what the compiled sites record (no model runs here)
