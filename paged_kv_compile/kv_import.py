@@ -31,53 +31,18 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from .errors import ConfigError, RequestError
+from . import families
+from .errors import RequestError
+from .families.base import Owner
+from .imported_pages import ImportRecord
 
 if TYPE_CHECKING:
-    from .families.base import Owner
     from .runtime import PagedKVRuntime
 
 __all__ = ["ImportRecord", "ImportTicket", "reserve", "renew", "ticket", "import_dense", "import_vllm_blocks"]
 
 #: the input layouts `import_dense` reads (see its docstring)
 DENSE_LAYOUTS = ("bshd", "bhsd", "rows")
-
-
-@dataclass
-class ImportRecord:
-    """Which pages of an imported request are ready (`Owner.state.imported`): per row, per page."""
-
-    generation: int
-    ready: list[list[bool]]
-
-    @classmethod
-    def empty(cls, generation: int, pages_per_row: Sequence[int]) -> "ImportRecord":
-        return cls(generation, [[False] * n for n in pages_per_row])
-
-    def missing(self) -> dict[int, list[int]]:
-        """Per row with pages not ready, their indices in the row."""
-        return {r: [i for i, ok in enumerate(row) if not ok] for r, row in enumerate(self.ready) if not all(row)}
-
-    @property
-    def complete(self) -> bool:
-        return all(all(row) for row in self.ready)
-
-    def check_ready(self, owner_id: str, generation: int | None) -> None:
-        """Refuse a forward over pages not all ready, or one expecting another generation."""
-        if generation is not None and generation != self.generation:
-            raise RequestError(
-                f"this forward of request {owner_id!r} expects imported pages of generation {generation}, but the "
-                f"reservation is generation {self.generation} (it was re-made): import into the current ticket "
-                "(kv_import.ticket) and run the forward with its generation. Nothing was planned"
-            )
-        missing = self.missing()
-        if missing:
-            rows = "; ".join(f"row {r}: pages {pages}" for r, pages in missing.items())
-            raise RequestError(
-                f"request {owner_id!r} imports its prompt K/V (generation {self.generation}) and not all its pages are "
-                f"ready ({rows}): import them (kv_import.import_dense / import_vllm_blocks) before its first step. "
-                "Nothing was planned"
-            )
 
 
 @dataclass(frozen=True)
@@ -103,7 +68,7 @@ def reserve(runtime: Any, request_id: str, spec: Any, *, prefix_capacity: int | 
     `prefix_capacity`. Refused (nothing admitted) when the layout or the admission is."""
 
     def apply(local: PagedKVRuntime) -> None:
-        family = _family_of(spec)
+        family = families.for_spec(spec)
         _check_idle(local)
         _check_layout(local, family, spec, prefix_capacity, attention_mask)  # before admitting: a refusal admits nothing
         local.admit(request_id, spec, rows)
@@ -143,8 +108,6 @@ def ticket(runtime: Any, request_id: str) -> ImportTicket:
 
 def _check_layout(local: PagedKVRuntime, family: Any, spec: Any, prefix_capacity: int | None, attention_mask: torch.Tensor | None) -> None:
     """The family reads and checks the layout on a stand-in owner (no block is taken, nothing is admitted)."""
-    from .families.base import Owner
-
     probe = Owner("<probe>", family, spec, [[0]])  # holds a block: import_state takes none
     family.import_state(probe, local.scheduler, 0, prefix_capacity=prefix_capacity, attention_mask=attention_mask)
 
@@ -288,12 +251,6 @@ def _agreed(runtime: Any, operation: str, owner_id: str, args: Any, apply: Calla
         runtime.agreed(operation, owner_id, args, lambda: apply(runtime.runtime), protect)
     else:
         apply(runtime)
-
-
-def _family_of(spec: Any) -> Any:
-    from . import families
-
-    return families.for_spec(spec)
 
 
 def _check_idle(local: PagedKVRuntime) -> None:

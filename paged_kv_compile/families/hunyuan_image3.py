@@ -18,7 +18,7 @@ import torch
 
 from ..config import Bucket, PagedKVConfig
 from ..errors import ConfigError, RequestError
-from ..kv_import import ImportRecord
+from ..imported_pages import ImportRecord
 from ..layout import MaskLayout, RowLayout, layout_from_prefill_mask, mask_disagreement, mask_rows
 from ..models.hunyuan_image3 import (HUNYUAN_IMAGE3_MID, HunyuanImage3Config, HunyuanImage3Model, HunyuanKVCache,
                                      hunyuan_steps)
