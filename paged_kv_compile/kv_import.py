@@ -70,7 +70,7 @@ def reserve(runtime: Any, request_id: str, spec: Any, *, prefix_capacity: int | 
     def apply(local: PagedKVRuntime) -> None:
         family = families.for_spec(spec)
         _check_idle(local)
-        _check_layout(local, family, spec, prefix_capacity, attention_mask)  # before admitting: a refusal admits nothing
+        _check_layout(local, family, spec, prefix_capacity, attention_mask)  # a refusal admits nothing
         local.admit(request_id, spec, rows)
         _begin(local, local.scheduler.owners[request_id], prefix_capacity, attention_mask)
 
@@ -106,7 +106,8 @@ def ticket(runtime: Any, request_id: str) -> ImportTicket:
                         tuple(owner.family.import_destinations(owner)), _local(runtime).pool.block_size)
 
 
-def _check_layout(local: PagedKVRuntime, family: Any, spec: Any, prefix_capacity: int | None, attention_mask: torch.Tensor | None) -> None:
+def _check_layout(local: PagedKVRuntime, family: Any, spec: Any, prefix_capacity: int | None,
+                  attention_mask: torch.Tensor | None) -> None:
     """The family reads and checks the layout on a stand-in owner (no block is taken, nothing is admitted)."""
     probe = Owner("<probe>", family, spec, [[0]])  # holds a block: import_state takes none
     family.import_state(probe, local.scheduler, 0, prefix_capacity=prefix_capacity, attention_mask=attention_mask)

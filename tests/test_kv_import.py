@@ -9,7 +9,8 @@ import torch
 from helpers import CountingBackend, compile_blocks, random_prompts
 
 from paged_kv_compile import CapacityError, RequestError, kv_import
-from paged_kv_compile.families.hunyuan_image3 import HUNYUAN_IMAGE3, hunyuan_buckets, hunyuan_runtime_config, hunyuan_spec
+from paged_kv_compile.families.hunyuan_image3 import (HUNYUAN_IMAGE3, hunyuan_buckets, hunyuan_runtime_config,
+                                                     hunyuan_spec)
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate
 from paged_kv_compile.runtime import PagedKVRuntime
 
