@@ -183,8 +183,9 @@ def import_vllm_blocks(runtime: Any, ticket: ImportTicket, kv_caches: Sequence[A
                        heads: slice | Sequence[int] | None = None) -> None:
     """Copy a request's prompt from a vLLM KV cache's blocks into the ticket's pages and mark its rows ready.
 
-    kv_caches: per layer vLLM's FlashAttention cache ``[2, num_blocks, block_size, Hkv, D]`` (or its (key_cache,
-    value_cache) halves, each ``[num_blocks, block_size, Hkv, D]``); block_tables: per imported row (`rows`,
+    kv_caches: per layer vLLM's FlashAttention cache: ``[num_blocks, Hkv, block_size, 2 * D]`` (vLLM 0.32, K and V
+    side by side), ``[2, num_blocks, block_size, Hkv, D]`` (earlier vLLM), or its (key_cache, value_cache) halves,
+    each ``[num_blocks, block_size, Hkv, D]``; block_tables: per imported row (`rows`,
     default all) the vLLM block ids holding its prompt, from token 0, in order. Heads, head dim and dtype must be
     the pool's (heads after the `heads=` slice); with the pool's block size the blocks are copied page for page,
     with another one they are re-blocked on the host (one gather of the row's tokens). Refused, writing nothing,
@@ -197,7 +198,7 @@ def import_vllm_blocks(runtime: Any, ticket: ImportTicket, kv_caches: Sequence[A
         pool = local.pool
         if len(kv_caches) != pool.num_layers:
             raise RequestError(f"the vLLM cache has {len(kv_caches)} layers, the pool {pool.num_layers}")
-        caches = [_vllm_layer(c, l) for l, c in enumerate(kv_caches)]  # per layer (K, V) [num_blocks, Bv, H, D]
+        caches = [_vllm_layer(c, l, pool.head_dim) for l, c in enumerate(kv_caches)]  # per layer (K, V) [num_blocks, Bv, H, D]
         num_blocks, Bv, H, D = caches[0][0].shape
         if any(k.shape != caches[0][0].shape for k, _ in caches):
             raise RequestError("the vLLM cache's layers differ in shape: one geometry for all")
@@ -396,15 +397,27 @@ def _stored(local: PagedKVRuntime, kv: torch.Tensor, what: str) -> torch.Tensor:
     return local.pool.to_stored(kv)
 
 
-def _vllm_layer(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer of a vLLM cache as (key_cache, value_cache), each ``[num_blocks, block_size, H, D]``."""
+def _vllm_layer(cache: Any, layer: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of a vLLM cache as (key_cache, value_cache) views, each ``[num_blocks, block_size, H, D]``.
+
+    Read: vLLM 0.32's FlashAttention cache ``[num_blocks, Hkv, block_size, 2 * D]`` (K and V side by side in the
+    last dim; its forward splits it so: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``), the earlier
+    ``[2, num_blocks, block_size, Hkv, D]``, or the (key_cache, value_cache) halves themselves."""
     if isinstance(cache, torch.Tensor):
+        if cache.dim() == 4:
+            if cache.shape[-1] != 2 * head_dim:
+                raise RequestError(
+                    f"layer {layer}: a vLLM FlashAttention cache [num_blocks, Hkv, block_size, 2 * D] of shape "
+                    f"{tuple(cache.shape)} holds head dim {cache.shape[-1] / 2:g}, the pool {head_dim}"
+                )
+            k, v = cache.transpose(1, 2).split(head_dim, dim=-1)
+            return k, v
         if cache.dim() != 5 or cache.shape[0] != 2:
             raise RequestError(
                 f"layer {layer}: a vLLM cache of shape {tuple(cache.shape)} is not FlashAttention's layout "
-                "[2, num_blocks, block_size, Hkv, D] (e.g. FlashInfer's [num_blocks, 2, ...] or an MLA cache): "
-                "pass its (key_cache, value_cache) halves as [num_blocks, block_size, Hkv, D] views, or import "
-                "dense K/V"
+                "([num_blocks, Hkv, block_size, 2 * D], or [2, num_blocks, block_size, Hkv, D] before vLLM 0.32; "
+                "e.g. FlashInfer's [num_blocks, 2, ...] or an MLA cache is not): pass its (key_cache, value_cache) "
+                "halves as [num_blocks, block_size, Hkv, D] views, or import dense K/V"
             )
         return cache[0], cache[1]
     k, v = cache

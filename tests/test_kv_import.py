@@ -270,10 +270,14 @@ def test_import_from_vllm_blocks_matches_the_dense_import(vllm_block_size):
         assert torch.equal(got, w)
     with other.forward("r", "step", prefix_capacity=P):
         pass
-    halves = _ready_import()  # the (key_cache, value_cache) halves FlashAttention unbinds
-    kv_import.import_vllm_blocks(halves[0], halves[1], [(c[0], c[1]) for c in caches], tables)
-    for got, w in zip(_pages(halves[0], "r"), want):
-        assert torch.equal(got, w)
+    # the same blocks as vLLM 0.32's FlashAttention holds them, [num_blocks, Hkv, block_size, 2 * D], and as the
+    # (key_cache, value_cache) halves its forward splits that into
+    side_by_side = [torch.cat([c[0], c[1]], dim=-1).transpose(1, 2).contiguous() for c in caches]
+    for given in (side_by_side, [(c[0], c[1]) for c in caches]):
+        again = _ready_import()
+        kv_import.import_vllm_blocks(again[0], again[1], given, tables)
+        for got, w in zip(_pages(again[0], "r"), want):
+            assert torch.equal(got, w)
 
 
 def test_import_from_vllm_blocks_of_another_geometry_is_refused_with_the_reason():
@@ -284,6 +288,7 @@ def test_import_from_vllm_blocks_of_another_geometry_is_refused_with_the_reason(
         ([c.transpose(0, 1).contiguous() for c in caches], tables, "not FlashAttention's layout"),
         ([c[..., :1, :] for c in caches], tables, "pass heads="),
         ([c[..., :8] for c in caches], tables, "head dim 8"),
+        ([torch.cat([c[0], c[1]], -1).transpose(1, 2)[..., :24] for c in caches], tables, "holds head dim 12"),
         (caches, [tables[0][:2], tables[1]], "fewer than its 11 prompt tokens"),
         (caches, [tables[0], [0, 99]], r"must lie in \[0, 16\)"),
         (caches[:-1], tables, "layers"),
