@@ -139,8 +139,8 @@ def import_dense(runtime: Any, ticket: ImportTicket, kv: Any, *, rows: Sequence[
         prompt K/V);
       * "bhsd": per layer (K, V), each ``[rows, Hkv, tokens, D]`` (HF ``past_key_values``; a cache object with
         ``key_cache``/``value_cache`` lists or ``layers[i].keys/.values`` is read as that);
-      * "rows": per layer a list over rows of (k, v), each ``[tokens, Hkv, D]`` (vllm-omni HunyuanImage-3's
-        injected AR K/V, ``_injected_ar_kv``, viewed per head).
+      * "rows": per layer a list over rows of (k, v), each ``[tokens, Hkv, D]`` or ``[tokens, Hkv * D]``
+        (vllm-omni HunyuanImage-3's injected AR K/V, ``_injected_ar_kv``).
     rows: which of the request's rows the tensors' rows are (default: all, in order). Column j of a row holds
     prompt token ``first_page * block_size + j``; `tokens` of them are imported (default: the rest of the row's
     prompt), whole pages only unless they reach the prompt's end (a page is ready once all its tokens are). A
@@ -152,7 +152,7 @@ def import_dense(runtime: Any, ticket: ImportTicket, kv: Any, *, rows: Sequence[
     def prepare(local: PagedKVRuntime) -> tuple[list[tuple], Callable[[list[int], torch.Tensor], None]]:
         owner = _live(local, ticket.request_id)
         chosen = _rows(owner, rows)
-        per_row = _dense_rows(kv, layout, len(chosen))
+        per_row = _dense_rows(kv, layout, len(chosen), local.pool.head_dim)
         chosen_heads = _default_heads(runtime, local, per_row[0].shape[-2], heads)
         B = local.pool.block_size
         writes = []
@@ -198,7 +198,8 @@ def import_vllm_blocks(runtime: Any, ticket: ImportTicket, kv_caches: Sequence[A
         pool = local.pool
         if len(kv_caches) != pool.num_layers:
             raise RequestError(f"the vLLM cache has {len(kv_caches)} layers, the pool {pool.num_layers}")
-        caches = [_vllm_layer(c, l, pool.head_dim) for l, c in enumerate(kv_caches)]  # per layer (K, V) [num_blocks, Bv, H, D]
+        # per layer (K, V), each [num_blocks, Bv, H, D]
+        caches = [_vllm_layer(c, l, pool.head_dim) for l, c in enumerate(kv_caches)]
         num_blocks, Bv, H, D = caches[0][0].shape
         if any(k.shape != caches[0][0].shape for k, _ in caches):
             raise RequestError("the vLLM cache's layers differ in shape: one geometry for all")
@@ -310,7 +311,7 @@ def _cache_pairs(kv: Any) -> Any:
     return kv
 
 
-def _dense_rows(kv: Any, layout: str, rows: int) -> list[torch.Tensor]:
+def _dense_rows(kv: Any, layout: str, rows: int, head_dim: int) -> list[torch.Tensor]:
     """Per imported row its K/V ``(layers, 2, tokens, H, D)``, from one of `DENSE_LAYOUTS`."""
     if layout not in DENSE_LAYOUTS:
         raise RequestError(f"unknown layout {layout!r}; use one of {DENSE_LAYOUTS}")
@@ -323,7 +324,7 @@ def _dense_rows(kv: Any, layout: str, rows: int) -> list[torch.Tensor]:
             if len(layer) != rows:
                 raise RequestError(f"layer {l} gives {len(layer)} rows of (k, v), {rows} are imported")
             for r, (k, v) in enumerate(layer):
-                out[r].append(torch.stack([_tokens_heads_dim(k, l, r), _tokens_heads_dim(v, l, r)]))
+                out[r].append(torch.stack([_tokens_heads_dim(k, l, r, head_dim), _tokens_heads_dim(v, l, r, head_dim)]))
             continue
         k, v = layer
         if k.dim() != 4 or k.shape != v.shape:
@@ -342,11 +343,14 @@ def _dense_rows(kv: Any, layout: str, rows: int) -> list[torch.Tensor]:
         raise RequestError(f"the producer's layers differ in shape ({shapes}): one geometry for all") from None
 
 
-def _tokens_heads_dim(x: torch.Tensor, layer: int, row: int) -> torch.Tensor:
+def _tokens_heads_dim(x: torch.Tensor, layer: int, row: int, head_dim: int) -> torch.Tensor:
+    """One row's K or V of layout "rows" as [tokens, H, D] (vllm-omni reshapes its injected K/V so too)."""
     if x.dim() == 3:
         return x
-    raise RequestError(f"layer {layer}, row {row}: K/V of layout 'rows' are [tokens, Hkv, D] (a flattened "
-                       f"[tokens, Hkv * D]: view it per head first), got {tuple(x.shape)}")
+    if x.dim() == 2 and x.shape[1] % head_dim == 0:
+        return x.view(x.shape[0], -1, head_dim)
+    raise RequestError(f"layer {layer}, row {row}: K/V of layout 'rows' are [tokens, Hkv, D] or [tokens, Hkv * D] "
+                       f"(D = the pool's head dim {head_dim}), got {tuple(x.shape)}")
 
 
 def _default_heads(runtime: Any, local: PagedKVRuntime, producer_heads: int,

@@ -229,7 +229,9 @@ def test_import_dense_layouts_hf_and_vllm_omni_rows_store_the_same_pages():
     kv_import.import_dense(runtime, ticket, kv)
     want = _pages(runtime, "r")
     for layout, given in (("bhsd", [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in kv]),
-                          ("rows", [[(k[r, :p], v[r, :p]) for r, p in enumerate(SPEC.prefix_lens)] for k, v in kv])):
+                          ("rows", [[(k[r, :p], v[r, :p]) for r, p in enumerate(SPEC.prefix_lens)] for k, v in kv]),
+                          ("rows", [[(k[r, :p].flatten(1), v[r, :p].flatten(1)) for r, p in enumerate(SPEC.prefix_lens)]
+                                    for k, v in kv])):
         other, t, _ = _ready_import()
         kv_import.import_dense(other, t, given, layout=layout)
         for got, w in zip(_pages(other, "r"), want):
