@@ -242,8 +242,9 @@ def import_vllm_blocks(runtime: Any, ticket: ImportTicket, kv_caches: Sequence[A
 
 
 def _local(runtime: Any) -> PagedKVRuntime:
-    """The rank's own runtime of a `RankRuntime`, or the runtime itself."""
-    return getattr(runtime, "runtime", runtime) if hasattr(runtime, "agreement") else runtime
+    """The rank's own runtime of a `RankRuntime` (told by its `agreement`: no import of `distributed` here), or the
+    runtime itself."""
+    return runtime.runtime if hasattr(runtime, "agreement") else runtime
 
 
 def _agreed(runtime: Any, operation: str, owner_id: str, args: Any, apply: Callable[[PagedKVRuntime], None],
