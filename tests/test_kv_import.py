@@ -323,3 +323,36 @@ def test_import_into_another_family_or_a_request_in_flight_is_refused():
     with pytest.raises(RequestError, match="cannot be imported"):
         kv_import.reserve(other, "s", DreamZeroSpec.from_model_config(dz))
     assert other.state() == before
+
+
+def test_import_a_batched_step_with_a_request_not_ready_is_refused_whole():
+    one_row = hunyuan_spec(CFG, random_prompts(CFG.vocab, [7], seed=3))
+    runtime = _runtime()
+    kv, _ = _dense_prefill(HunyuanImage3Model(CFG, seed=2))
+    runtime.admit("own", one_row)
+    with runtime.forward("own", "prefill", prefix_capacity=P, attention_mask=one_row.padded_mask(P)):
+        pass
+    ticket = kv_import.reserve(runtime, "imp", one_row, prefix_capacity=P)
+    before = runtime.state()
+    batch = [("own", "step", {"prefix_capacity": P}), ("imp", "step", {"prefix_capacity": P})]
+    with pytest.raises(RequestError, match="'imp' imports its prompt K/V"):
+        with runtime.forward_batch(batch):
+            pass
+    assert runtime.state() == before
+    kv_import.import_dense(runtime, ticket, [(k[:1], v[:1]) for k, v in kv])
+    with runtime.forward_batch(batch):
+        pass
+
+
+def test_import_dense_into_an_fp8_pool_is_quantized_with_the_pools_scales():
+    runtime = _runtime(kv_dtype=torch.float8_e4m3fn)
+    runtime.pool.set_scales(0.01, 0.02)  # before anything is admitted
+    kv, _ = _dense_prefill(HunyuanImage3Model(CFG, seed=2))
+    ticket = kv_import.reserve(runtime, "r", SPEC, prefix_capacity=P)
+    kv_import.import_dense(runtime, ticket, kv)
+    for r, (stored, p) in enumerate(zip(_pages(runtime, "r"), SPEC.prefix_lens)):
+        assert stored.dtype == torch.float8_e4m3fn
+        for half, scale in enumerate((0.01, 0.02)):
+            got = stored[:, half].float() * scale
+            want = torch.stack([pair[half][r, :p] for pair in kv])
+            assert torch.allclose(got, want, rtol=2**-4, atol=scale * 2**-9), (r, half)
