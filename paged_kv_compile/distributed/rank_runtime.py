@@ -214,6 +214,13 @@ class RankRuntime:
         finally:
             self.calls += 1
 
+    def agreed(self, operation: str, owner_id: str | None, args: Any, apply: Callable[[], None],
+               protect: Sequence[int] = ()) -> None:
+        """A lifecycle call of another module (e.g. `kv_import`: reserve, import) on every rank or none: `apply`
+        changes this rank's runtime, validating before it mutates; `args` (compared within the symmetric group)
+        say what the call does; `protect`: local blocks whose bytes it may write, put back if any rank refused."""
+        self._lifecycle(operation, owner_id, args, apply, protect)
+
     def _blocks_an_admission_may_overwrite(self, spec: Any) -> list[int]:
         """An admission that writes shared regions may evict the least recently used owner first and write into
         the blocks it freed: if another rank then refuses, the restored victim must find its K/V as it was."""

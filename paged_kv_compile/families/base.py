@@ -242,6 +242,18 @@ class Family(abc.ABC):
         reserve what it takes instead of a whole session's need; the scheduler refuses a plan beyond it."""
         return None
 
+    def import_state(self, owner: Owner, blocks: BlockSource, generation: int, **layout: Any) -> tuple[Any, list]:
+        """(the owner's new `state`, blocks taken) for K/V another stage writes into its pages (`kv_import.py`):
+        its layout, no page ready yet, of `generation`. Default: this family imports nothing."""
+        raise RequestError(
+            f"{owner.owner_id!r} is a {self.name} {self.noun}, whose K/V cannot be imported: its family does not "
+            "implement import_state (HunyuanImage-3 requests can)"
+        )
+
+    def import_destinations(self, owner: Owner) -> list[int]:
+        """Per row, how many tokens an import writes into the row's pages (`owner.rows[r]`, from token 0)."""
+        raise RequestError(f"{self.name} {self.noun}s import no K/V")
+
     def history_dropped(self, owner: Owner) -> None:
         """The scheduler freed every block of `owner` (`reset`): forget what `owner.state` says of them."""
 

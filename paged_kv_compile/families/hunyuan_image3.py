@@ -10,6 +10,7 @@ order, ``[prompt | target | tail]``; pad tokens are neither written nor read.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -17,6 +18,7 @@ import torch
 
 from ..config import Bucket, PagedKVConfig
 from ..errors import ConfigError, RequestError
+from ..imported_pages import ImportRecord
 from ..layout import MaskLayout, RowLayout, layout_from_prefill_mask, mask_disagreement, mask_rows
 from ..models.hunyuan_image3 import (HUNYUAN_IMAGE3_MID, HunyuanImage3Config, HunyuanImage3Model, HunyuanKVCache,
                                      hunyuan_steps)
@@ -129,10 +131,12 @@ def prefix_capacity_for(buckets: Sequence[Bucket], prefix_lens: Sequence[int], t
 @dataclass
 class HunyuanRecord:
     """What a request keeps beyond its blocks (`Owner.state`): each row's layout read from its prefill mask (None
-    before the prefill, and after a reset), and whether a step's mask was checked against it."""
+    before the prefill, and after a reset), whether a step's mask was checked against it, and -- for a request whose
+    prompt K/V another stage writes (`kv_import.py`) -- which of its pages are ready, of which generation."""
 
     layouts: list[MaskLayout] | None = None
     step_mask_checked: bool = False
+    imported: ImportRecord | None = None
 
 
 class HunyuanImage3Family(Family):
@@ -182,8 +186,8 @@ class HunyuanImage3Family(Family):
         spec: HunyuanSpec = owner.spec
         if kind not in KINDS:
             raise RequestError(f"unknown phase {kind!r}; use 'prefill' or 'step'")
-        if kind == "step" and "prefill" not in owner.phases_done:
-            raise RequestError(f"request {owner.owner_id!r} has not been prefilled; run its prefill forward first")
+        if kind == "step":
+            _check_prompt_present(owner, args.get("import_generation"))
         if prefix_capacity is None:
             raise RequestError("a HunyuanImage-3 forward needs prefix_capacity (the dense prefix length)")
         if prefix_capacity < max(spec.prefix_lens):
@@ -218,13 +222,7 @@ class HunyuanImage3Family(Family):
                 "each row's layout (where padding sits, which tokens are kept) from it once per request. Pass "
                 "runtime.forward(request_id, 'prefill', prefix_capacity=P, attention_mask=<the mask the model gets>)"
             )
-        rows = len(spec.prefix_lens)
-        masks = mask_rows(attention_mask, rows)
-        mask_layouts = [layout_from_prefill_mask(masks[0], 0)]
-        for r in range(1, rows):  # a broadcast (1, ...) mask gives every row row 0's view: read once
-            mask_layouts.append(mask_layouts[0] if masks[r] is masks[0] else layout_from_prefill_mask(masks[r], r))
-        for r, (ml, p) in enumerate(zip(mask_layouts, spec.prefix_lens)):
-            _check_against_spec(r, ml, p, spec)
+        mask_layouts = _mask_layouts(spec, attention_mask)
         B = blocks.block_size
         # After a reset (`history_dropped`) the request holds no prompt blocks: its prefill takes them again (admission
         # reserved them), or the prompt would be written into scratch, which the next forward overwrites.
@@ -268,7 +266,7 @@ class HunyuanImage3Family(Family):
         state = None
         if attention_mask is not None and not pad and not owner.state.step_mask_checked:
             _check_step_mask(mask_rows(attention_mask, len(spec.prefix_lens)), layouts, key_positions)
-            state = HunyuanRecord(mask_layouts, step_mask_checked=True)
+            state = dataclasses.replace(owner.state, step_mask_checked=True)  # an import's record stays
         return layouts, key_positions, [], state, T + pad
 
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
@@ -287,6 +285,33 @@ class HunyuanImage3Family(Family):
         differential fuzzer: a step read its prompt from scratch, 1.44 off dense)."""
         owner.phases_done.discard("prefill")
         owner.state = self.new_state(owner.spec, owner.num_rows)
+
+    def import_state(self, owner: Owner, blocks: BlockSource, generation: int, *, prefix_capacity: int | None = None,
+                     attention_mask: torch.Tensor | None = None) -> tuple[HunyuanRecord, list[list[int]]]:
+        """(record, blocks taken) of a request whose prompt K/V another stage writes (`kv_import.reserve`): each row's
+        layout read from `attention_mask` (the prefill mask the dense model would get; default: the reference
+        model's middle-padded one at `prefix_capacity`, `HunyuanSpec.padded_mask`), checked against the spec; the
+        prompt's pages taken again when a reset freed them. No page is ready yet."""
+        spec: HunyuanSpec = owner.spec
+        if attention_mask is None:
+            if prefix_capacity is None:
+                raise RequestError(
+                    f"reserving pages of request {owner.owner_id!r} needs its layout: pass attention_mask=<the "
+                    "prefill mask the dense model would get> or prefix_capacity=P (the reference model's layout)"
+                )
+            if prefix_capacity < max(spec.prefix_lens):
+                raise RequestError(f"prefix_capacity={prefix_capacity} is below the longest prompt "
+                                   f"({max(spec.prefix_lens)} tokens)")
+            attention_mask = spec.padded_mask(prefix_capacity)
+        layouts = _mask_layouts(spec, attention_mask)
+        B = blocks.block_size
+        taken = blocks.allocate_rows([ceil_div(p, B) for p in spec.prefix_lens]) if not any(owner.rows) else []
+        rows = taken or owner.rows
+        return HunyuanRecord(layouts, imported=ImportRecord.empty(generation, [len(r) for r in rows])), taken
+
+    def import_destinations(self, owner: Owner) -> list[int]:
+        """Per row, how many prompt tokens its pages (`owner.rows[r]`) hold: the row's prompt length."""
+        return list(owner.spec.prefix_lens)
 
     def check_expectation(self, expect: PrefixExpect, owner: Owner, plan: ForwardPlan) -> None:
         """The prefix capacity is the bucket's context, which the runtime already checks per call."""
@@ -332,6 +357,36 @@ class HunyuanImage3Family(Family):
         """Requests for parity, then three requests of different prompt lengths at different steps on one pool
         (`_demo`). `size`: "tiny" or "mid" (`HUNYUAN_IMAGE3_MID`)."""
         return _demo(size, short=short, device=device, **runtime_options)
+
+
+def _mask_layouts(spec: HunyuanSpec, attention_mask: torch.Tensor) -> list[MaskLayout]:
+    """Each row's layout read from the prefill mask, checked against the spec."""
+    rows = len(spec.prefix_lens)
+    masks = mask_rows(attention_mask, rows)
+    mask_layouts = [layout_from_prefill_mask(masks[0], 0)]
+    for r in range(1, rows):  # a broadcast (1, ...) mask gives every row row 0's view: read once
+        mask_layouts.append(mask_layouts[0] if masks[r] is masks[0] else layout_from_prefill_mask(masks[r], r))
+    for r, (ml, p) in enumerate(zip(mask_layouts, spec.prefix_lens)):
+        _check_against_spec(r, ml, p, spec)
+    return mask_layouts
+
+
+def _check_prompt_present(owner: Owner, generation: int | None) -> None:
+    """A step reads the prompt's pages: computed by the request's prefill, or imported (all ready, of the
+    generation the caller expects, when it names one)."""
+    record: ImportRecord | None = owner.state.imported
+    if record is None:
+        if generation is not None:
+            raise RequestError(
+                f"this step of request {owner.owner_id!r} expects imported pages of generation {generation}, but the "
+                "request holds no import (it was reset, or its own prefill replaced it): reserve again "
+                "(kv_import.renew) and import, or prefill"
+            )
+        if "prefill" not in owner.phases_done:
+            raise RequestError(f"request {owner.owner_id!r} has not been prefilled; run its prefill forward first "
+                               "(or import its prompt K/V: kv_import.reserve, then import_dense/import_vllm_blocks)")
+        return
+    record.check_ready(owner.owner_id, generation)
 
 
 def _check_against_spec(r: int, ml: MaskLayout, p: int, spec: HunyuanSpec) -> None:
