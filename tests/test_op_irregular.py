@@ -249,3 +249,48 @@ def test_irregular_gap_compiles_in_one_frame_and_matches_eager():
         torch.testing.assert_close(want / 2, dense_oracle(case), atol=1e-5, rtol=0)
         assert torch.equal(case.pool, eager_case.pool)
     assert counter.frame_count == 1
+
+
+TRITON_GEOMETRIES = {
+    "gqa2, gaps inside and across blocks": dict(
+        seed=30, hkv=2, ratio=2, block_size=3, tokens=3, prefixes=[9, 0, 13], new_counts=[2, 0, 3],
+        modes=["random", "padded", "causal"], layout="transposed", gaps=[(2, 8), (0, 0), (0, 5)]),
+    "gqa4, block 1, gap hides a query's whole view": dict(
+        seed=31, hkv=1, ratio=4, block_size=1, tokens=4, prefixes=[3, 5], new_counts=[4, 1],
+        modes=["causal", "full"], layout="sliced", gaps=[(0, 5), (6, 6)]),
+    "mha, block 8, gap over several 32-key tiles": dict(
+        seed=32, hkv=2, ratio=1, head_dim=4, block_size=8, tokens=5, prefixes=[120, 70], new_counts=[3, 5],
+        modes=["full", "random"], right_aligned=True, extra_width=2, gaps=[(7, 101), (33, 64)]),
+}
+
+
+@pytest.mark.parametrize("meta_layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("name", list(TRITON_GEOMETRIES))
+def test_irregular_triton_matches_dense(name, meta_layout):
+    pytest.importorskip("triton")
+    case = make_case(**TRITON_GEOMETRIES[name], meta_layout=meta_layout)
+    if meta_layout == "transposed":  # the gap as a column-major view too
+        case.kv_gap = case.kv_gap.t().contiguous().t()
+    out = _check_against_dense(case, "triton")
+    empty = reference.visible_counts(case.seq_lens, case.kv_visible_end, case.kv_gap) <= 0
+    assert bool((out[empty] == 0).all()), "queries that see nothing give exact zeros"
+
+
+@pytest.mark.parametrize("block_size", [128, 256])
+def test_page_size_triton_sink_and_window_at_880(block_size):
+    """DreamZero's 880-token frames on pages of 128/256 through the Triton kernel: the sink-window gap, and the
+    tiles wholly in the gap are not read (they hold NaN, which a read would spread through the softmax)."""
+    pytest.importorskip("triton")
+    F_, B = 880, block_size
+    offset = (3 * F_) % B
+    sink_blocks = -(-F_ // B)
+    seq = sink_blocks * B + offset + 2 * F_
+    case = make_case(seed=B, hkv=1, ratio=2, head_dim=4, block_size=B, tokens=4, prefixes=[seq - 4],
+                     new_counts=[4], modes=["full"], right_aligned=True, extra_width=0,
+                     gaps=[sink_window_gap(F_, offset, B)])
+    start, stop = case.kv_gap[0].tolist()
+    planted = range(-(-start // 32) * 32, stop // 32 * 32)  # the 32-key tiles wholly in the gap
+    assert len(planted) >= 32
+    for p in planted:
+        case.pool[:, int(case.block_table[0, p // B]), p % B] = float("nan")
+    _check_against_dense(case, "triton")
