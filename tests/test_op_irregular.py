@@ -294,3 +294,56 @@ def test_page_size_triton_sink_and_window_at_880(block_size):
     for p in planted:
         case.pool[:, int(case.block_table[0, p // B]), p % B] = float("nan")
     _check_against_dense(case, "triton")
+
+
+FP8_GAP_GEOMETRY = dict(seed=40, hkv=2, ratio=2, block_size=4, tokens=3, prefixes=[17, 0, 10], new_counts=[3, 0, 2],
+                        modes=["full", "padded", "causal"], right_aligned=True, gaps=[(5, 14), (0, 0), (0, 6)])
+
+
+@pytest.mark.parametrize("kernel, host_lengths", [("reference", True), ("reference", False), ("triton", True)],
+                         ids=["reference-cpu-used-span", "reference-device-path", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_irregular_gap_on_an_fp8_pool_matches_dense_over_the_round_trip(kernel, host_lengths, dtype, monkeypatch):
+    """FP8 row scales are those of the row's first table block, gap or not: exact against dense attention over
+    the quantize-dequantize round trip of every key."""
+    from _opcases import expected_fp8_pool, fp8_case
+
+    if kernel == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setattr(reference, "HOST_LENGTHS_ON_CPU", host_lengths)
+    case = make_case(**FP8_GAP_GEOMETRY)
+    pool, scales, oracle = fp8_case(case, dtype, seed=3)
+    before = pool.clone()
+    out = write_attend(*case.args(pool), case.scale, kernel, kv_scales=scales, kv_gap=case.kv_gap)
+    torch.testing.assert_close(out, dense_oracle(oracle), atol=1e-5, rtol=0)
+    assert torch.equal(pool.view(torch.uint8), expected_fp8_pool(case, before, scales).view(torch.uint8))
+
+
+@st.composite
+def frame_geometries(draw) -> dict:
+    """DreamZero-14B's 880-token and 832x480's 1560-token frames on pages of 64/128/256: a sink of one frame (or
+    none), a window of 1-2 frames slid by any number of frames (so it starts anywhere in a block), a chunk of
+    queries at the window's end; tiny heads keep it cheap on the CPU."""
+    frame = draw(st.sampled_from([880, 1560]))
+    B = draw(st.sampled_from([64, 128, 256]))
+    sink = draw(st.sampled_from([0, frame]))
+    window = draw(st.integers(1, 2)) * frame
+    offset = (draw(st.integers(1, 6)) * frame) % B  # where the window's first token lies in its block
+    kept_sink = -(-sink // B) * B
+    seq = kept_sink + offset + window
+    tokens = draw(st.integers(1, 4))
+    return dict(seed=draw(st.integers(0, 2**16)), hkv=1, ratio=draw(st.sampled_from([1, 2])), head_dim=4,
+                block_size=B, tokens=tokens, prefixes=[seq - tokens], new_counts=[tokens],
+                modes=[draw(st.sampled_from(["full", "causal"]))], right_aligned=True, extra_width=0,
+                ascending_blocks=draw(st.booleans()), gaps=[(sink, kept_sink + offset)])
+
+
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["cpu-used-span", "device-path"])
+@settings(max_examples=25, deadline=None)
+@given(geometry=frame_geometries())
+def test_page_size_property_at_dreamzero_and_832x480_frames(host_lengths, geometry):
+    previous, reference.HOST_LENGTHS_ON_CPU = reference.HOST_LENGTHS_ON_CPU, host_lengths
+    try:
+        _check_against_dense(make_case(**geometry))
+    finally:
+        reference.HOST_LENGTHS_ON_CPU = previous

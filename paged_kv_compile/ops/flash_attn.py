@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from . import gap_split
-from .fp8 import is_fp8, quantize
+from .fp8 import dequantize, is_fp8, quantize
 from .reference import zero_padded_queries
 from .reference import write_kv  # noqa: F401  the dispatcher writes new K/V with <kernel module>.write_kv
 
@@ -236,10 +236,13 @@ def attend(
     """
     flavor, mod = select(kv_pool.shape[2], row_scales is not None, _capability(query))
     causal = visibility == "causal"
-    q, descales = query.contiguous(), {}
+    q, descales, q_seen = query.contiguous(), {}, query
     if row_scales is not None:
         q, q_descale = quantize_query(q, kv_pool.shape[3], kv_pool.dtype)
         descales = dict(q_descale=q_descale, k_descale=row_scales[0], v_descale=row_scales[1])
+        # the query flash-attn sees, for the span attended here: every part then scores the same query
+        q_seen = dequantize(q, q_descale.repeat_interleave(query.shape[2] // kv_pool.shape[3], 1)[:, None, :, None],
+                            torch.float32)
     # flash-attn checks that seqused_k/cache_seqlens are contiguous and block_table has a unit last
     # stride (flash_api.cpp); the op accepts any strides, so copy where needed (a no-op for our buffers).
     table, lengths = block_table.contiguous(), seq_lens.contiguous()
@@ -254,7 +257,7 @@ def attend(
                         return_lse=True, **descales)
     out = gap_split.merge_by_lse([
         (*before, gap_split.sees_before(split, ends)),
-        gap_split.attend_head(query, kv_pool, split, ends, scale, row_scales),
+        gap_split.attend_head(q_seen, kv_pool, split, ends, scale, row_scales),
         (*after, gap_split.sees_after(split, ends)),
     ])
     return zero_padded_queries(out.to(query.dtype), seq_lens, kv_visible_end, kv_gap)
