@@ -12,12 +12,14 @@ import types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import paged_kv_compile  # noqa: F401  (registers torch.ops.paged_kv)
 from paged_kv_compile.errors import KernelUnavailableError, OpInputError
 from paged_kv_compile.ops import flash_attn as fa
 from paged_kv_compile.ops import npu
-from paged_kv_compile.ops import reference, resolve_kernel
+from paged_kv_compile.ops import check_values, reference, resolve_kernel
 
 from _opcases import dense_oracle, expected_pool, make_case
 
@@ -447,3 +449,41 @@ def test_npu_adapter_irregular_gap_goes_into_the_mask(no_vendor_modules, scale_k
     assert torch.equal(case.pool, expected_pool(case, before))
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), dense_oracle(case), atol=2e-3, rtol=0)
+
+
+@st.composite
+def _gap_geometries(draw) -> dict:
+    """Rows of "full" or "causal" queries (one visibility per case) with any gap a causal hint allows: its start
+    at most the first new token's end (the row's history + 1), its end anywhere up to the row's length."""
+    visibility = draw(st.sampled_from(["full", "causal"]))
+    rows = draw(st.integers(1, 3))
+    tokens = draw(st.integers(1, 4))
+    prefixes = draw(st.lists(st.integers(0, 20), min_size=rows, max_size=rows))
+    counts = draw(st.lists(st.integers(1, tokens), min_size=rows, max_size=rows))
+    gaps = []
+    for prefix, count in zip(prefixes, counts):
+        start = draw(st.integers(0, prefix + 1 if visibility == "causal" else prefix + count))
+        gaps.append((start, draw(st.integers(start, prefix + count))))
+    return dict(seed=draw(st.integers(0, 2**16)), hkv=draw(st.integers(1, 2)), ratio=draw(st.sampled_from([1, 2])),
+                head_dim=4, block_size=draw(st.sampled_from([1, 3, 4, 8])), tokens=tokens, prefixes=prefixes,
+                new_counts=counts, modes=[visibility] * rows, right_aligned=True, extra_width=draw(st.integers(0, 2)),
+                dtype=torch.float32, gaps=gaps), visibility
+
+
+@pytest.mark.parametrize("flavor", ["fa3", "fa4"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(drawn=_gap_geometries())
+def test_flash_attn_irregular_split_property(no_vendor_modules, flavor, drawn):
+    """Any gap (at a row's start or end, ending on or inside a block, empty, the whole row) through the split and
+    the LSE merge, float32 against the dense oracle at 1e-5."""
+    geometry, visibility = drawn
+    name, module = _fake_flash(flavor, [])
+    no_vendor_modules.setitem(sys.modules, name, module)
+    fa.load_module.cache_clear()
+    case = make_case(**geometry)
+    check_values(case.query, case.pool, case.slot_mapping, case.block_table, case.seq_lens, case.kv_visible_end,
+                 visibility, case.kv_gap)  # the drawn case keeps the hint's promises
+    fa.write_kv(case.pool, case.key, case.value, case.slot_mapping)
+    out = fa.attend(case.query, case.pool, case.block_table, case.seq_lens, case.kv_visible_end, case.scale,
+                    visibility, kv_gap=case.kv_gap)
+    torch.testing.assert_close(out, dense_oracle(case), atol=1e-5, rtol=0)
