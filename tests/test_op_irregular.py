@@ -347,3 +347,28 @@ def test_page_size_property_at_dreamzero_and_832x480_frames(host_lengths, geomet
         _check_against_dense(make_case(**geometry))
     finally:
         reference.HOST_LENGTHS_ON_CPU = previous
+
+
+@pytest.mark.parametrize("sink", [0, 880], ids=["window", "sink-and-window"])
+def test_page_size_shared_gap_reads_without_a_mask_and_a_window_in_place(sink, monkeypatch):
+    """Rows that all hold the same keys less one shared gap, every query seeing them (DreamZero's window on pages
+    of 128 at 880-token frames): SDPA gets no mask; a window alone is read in place from inside its first
+    block (the keys SDPA reads are a view of the pool); the result is the dense one."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(reference.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append((a[1], kw.get("attn_mask"))) or real(*a, **kw))
+    F_, B = 880, 128
+    offset = (3 * F_) % B
+    gap = sink_window_gap(sink, offset, B) if sink else (0, offset)
+    seq = gap[1] + 2 * F_
+    case = make_case(seed=9, hkv=1, ratio=2, head_dim=4, block_size=B, tokens=3, prefixes=[seq - 3] * 2,
+                     new_counts=[3, 3], modes=["full", "full"], right_aligned=True, extra_width=0, pad_random=False,
+                     ascending_blocks=True, gaps=[gap, gap])
+    _check_against_dense(case)
+    key, mask = seen[0]
+    assert mask is None
+    in_pool = key.untyped_storage().data_ptr() == case.pool.untyped_storage().data_ptr()
+    assert in_pool == (sink == 0), "a window alone is a view of the pool; a sink and a window are joined (a copy)"
