@@ -17,6 +17,7 @@ from paged_kv_compile.ops import reference
 from paged_kv_compile.ops import write_attend as wa
 
 from _opcases import dense_oracle, expected_pool, make_case
+from test_op_reference import geometries
 
 write_attend = torch.ops.paged_kv.write_attend
 attend = torch.ops.paged_kv.attend
@@ -30,28 +31,11 @@ def sink_window_gap(sink: int, offset: int, block_size: int) -> tuple[int, int]:
 
 @st.composite
 def irregular_geometries(draw) -> dict:
-    rows = draw(st.integers(1, 3))
-    tokens = draw(st.integers(1, 5))
-    prefixes = draw(st.lists(st.integers(0, 20), min_size=rows, max_size=rows))
-    gaps = [tuple(sorted(draw(st.lists(st.integers(0, 26), min_size=2, max_size=2)))) for _ in range(rows)]
-    return dict(
-        seed=draw(st.integers(0, 2**31 - 1)),
-        hkv=draw(st.integers(1, 2)),
-        ratio=draw(st.sampled_from([1, 2, 4])),
-        head_dim=draw(st.sampled_from([4, 8])),
-        block_size=draw(st.sampled_from([1, 3, 4, 8])),
-        tokens=tokens,
-        prefixes=prefixes,
-        new_counts=draw(st.lists(st.integers(0, tokens), min_size=rows, max_size=rows)),
-        modes=draw(st.lists(st.sampled_from(["full", "causal", "random", "padded"]), min_size=rows, max_size=rows)),
-        right_aligned=draw(st.booleans()),
-        extra_width=draw(st.integers(0, 2)),
-        pad_random=draw(st.booleans()),
-        ascending_blocks=draw(st.booleans()),
-        layout=draw(st.sampled_from(["contiguous", "transposed", "sliced"])),
-        meta_layout=draw(st.sampled_from(["contiguous", "strided", "transposed"])),
-        gaps=gaps,
-    )
+    """test_op_reference's random geometries, with a gap per row (clipped to the row) and blocks in either order."""
+    geometry = draw(geometries())
+    rows = len(geometry["prefixes"])
+    gaps = [tuple(sorted(draw(st.lists(st.integers(0, 17), min_size=2, max_size=2)))) for _ in range(rows)]
+    return dict(geometry, gaps=gaps, ascending_blocks=draw(st.booleans()))
 
 
 def _check_against_dense(case, kernel: str = "reference") -> torch.Tensor:
