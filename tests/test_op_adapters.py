@@ -487,3 +487,29 @@ def test_flash_attn_irregular_split_property(no_vendor_modules, flavor, drawn):
     out = fa.attend(case.query, case.pool, case.block_table, case.seq_lens, case.kv_visible_end, case.scale,
                     visibility, kv_gap=case.kv_gap)
     torch.testing.assert_close(out, dense_oracle(case), atol=1e-5, rtol=0)
+
+
+def test_flash_attn_4_irregular_is_our_custom_op_compiled_in_one_frame(no_vendor_modules):
+    """FA4 ships no torch.library op: ours (`paged_kv::flash_attn4_paged`) passes opcheck against the fake build
+    and sits in a fullgraph compile as one node, with the eager result (the fake build is never traced)."""
+    calls: list = []
+    no_vendor_modules.setitem(sys.modules, "flash_attn.cute", _fake_fa4_module(calls))
+    case = _case("causal", block_size=3)
+    table, lengths = case.block_table.contiguous(), case.seq_lens.contiguous()
+    args = (case.query.contiguous(), case.pool[0], case.pool[1], table, lengths, case.scale, True)
+    op = torch.ops.paged_kv.flash_attn4_paged
+    torch.library.opcheck(op.default, args)
+    out, lse = op(*args)
+    assert lse.shape == (3, 4, 4) and lse.dtype == torch.float32
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: op(*a)[0] * 2, backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(*args), out * 2, atol=0, rtol=0)
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert op.default in targets or op in targets, targets

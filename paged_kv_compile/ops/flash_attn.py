@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from . import gap_split
+from .flash_attn4 import flash_attn4_paged
 from .fp8 import dequantize, is_fp8, quantize
 from .reference import zero_padded_queries
 from .reference import write_kv  # noqa: F401  the dispatcher writes new K/V with <kernel module>.write_kv
@@ -53,10 +54,10 @@ def _kvcache_call(table_kw: str) -> Callable:
 def _fa4_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, return_lse=False, **descales):
     # flash-attn 4 (flash_attn/cute/interface.py): batched queries (R, T, H, D), pages (num_blocks, block_size, Hkv,
     # D), page_table (R, M) int32 with a unit last stride, seqused_k (R,) int32; returns (out, lse), lse (R, Hq, T)
-    # when return_lse=True (the keyword vLLM's vendored copy passes on to _flash_attn_fwd).
-    out, lse = mod.flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=seq_lens, page_table=block_table,
-                                          softmax_scale=scale, causal=causal,
-                                          **({"return_lse": True} if return_lse else {}), **descales)
+    # with return_lse=True (the keyword vLLM's vendored copy passes on to _flash_attn_fwd). Called through our
+    # custom op (ops/flash_attn4.py): FA4 ships none. No FP8 here (`Flavor.reads_fp8`), so no descales.
+    assert not descales, "flash-attn 4 is not given FP8 caches (Flavor.reads_fp8)"
+    out, lse = flash_attn4_paged(q, k_cache, v_cache, block_table, seq_lens, scale, causal)
     return (out, lse.transpose(1, 2)) if return_lse else out
 
 
