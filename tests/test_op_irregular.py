@@ -356,3 +356,24 @@ def test_page_size_shared_gap_reads_without_a_mask_and_a_window_in_place(sink, m
     assert mask is None
     in_pool = key.untyped_storage().data_ptr() == case.pool.untyped_storage().data_ptr()
     assert in_pool == (sink == 0), "a window alone is a view of the pool; a sink and a window are joined (a copy)"
+
+
+def test_irregular_device_paths_read_no_gap_value_on_the_host():
+    """What a captured forward runs with a gap reads no value on the host: on meta tensors (which have none to
+    read, so any .item()/.tolist()/.numpy() raises) the reference kernel's device path and the flash-attn
+    split (spans, the torch-attended head, the LSE merge) run and give the right shapes."""
+    from paged_kv_compile.ops import gap_split
+
+    case = _base()
+    meta = {name: getattr(case, name).to("meta") for name in ("query", "pool", "block_table", "seq_lens",
+                                                               "kv_visible_end", "kv_gap")}
+    out = reference.attend(meta["query"], meta["pool"], meta["block_table"], meta["seq_lens"], meta["kv_visible_end"],
+                           case.scale, kv_gap=meta["kv_gap"])
+    assert out.device.type == "meta" and out.shape == case.query.shape
+    split = gap_split.split_around_gap(meta["block_table"], meta["seq_lens"], meta["kv_gap"], case.pool.shape[2])
+    ends = gap_split.query_ends(meta["seq_lens"], meta["kv_visible_end"])
+    head = gap_split.attend_head(meta["query"], meta["pool"], split, ends, case.scale)
+    R, T, Hq, _ = case.query.shape
+    part = (meta["query"].float(), torch.zeros(R, T, Hq, device="meta"), gap_split.sees_after(split, ends))
+    merged = gap_split.merge_by_lse([part, head])
+    assert merged.device.type == "meta" and merged.shape == case.query.shape
