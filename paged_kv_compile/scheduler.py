@@ -23,6 +23,7 @@ from .errors import CapacityError, ConfigError, RequestError
 from .families.base import ForwardPlan, Owner
 from .layout import RowLayout
 from .pool import KVPool
+from .prefix_cache import PrefixCache, check_prompt_admission
 from .regions import Region, SharedRegions
 from .reservations import Reservations
 
@@ -98,6 +99,8 @@ class Scheduler:
         self.sharing: set[str] = set()
         #: shared write-once regions (cross-attention K/V) and who holds them (`regions.py`)
         self.regions = SharedRegions()
+        #: prompt blocks shared across requests by a hash chain, and who holds which (`prefix_cache.py`)
+        self.prefix_cache = PrefixCache()
         self._serials = itertools.count()  # Owner.serial: one per admission or fork, never reused
 
     # ---- the BlockSource the families use -----------------------------------------------------
@@ -121,11 +124,15 @@ class Scheduler:
                 f"needs {need} blocks per layer (rows need {counts}) but the whole pool has "
                 f"{self.allocator.num_blocks}: it can never fit; raise the pool budget or shorten the request"
             )
-        if need > self.allocator.num_free:
+        if need > self.allocator.num_free + self.prefix_cache.idle_count:
             raise CapacityError(
-                f"needs {need} free blocks per layer, {self.allocator.num_free} are free; retry after other "
-                "requests finish, close idle sessions, or raise the pool budget"
+                f"needs {need} free blocks per layer, {self.allocator.num_free} are free"
+                + (f" (and {self.prefix_cache.idle_count} idle cached prompt blocks)" if self.prefix_cache.idle_count
+                   else "")
+                + "; retry after other requests finish, close idle sessions, or raise the pool budget"
             )
+        if need > self.allocator.num_free:  # idle cached prompt blocks count as free: evict the least recently used
+            self.prefix_cache.evict(need - self.allocator.num_free, self.allocator)
         ids = self.allocator.allocate(need) if need else []
         starts = [sum(counts[:i]) for i in range(len(counts))]
         return [ids[s : s + c] for s, c in zip(starts, counts)]
@@ -196,7 +203,7 @@ class Scheduler:
     @property
     def reservations(self) -> Reservations:
         """The admission arithmetic over the live allocator, owners and regions (`reservations.py`)."""
-        return Reservations(self.allocator, self.owners, self.regions)
+        return Reservations(self.allocator, self.owners, self.regions, self.prefix_cache)
 
     def held_blocks(self) -> int:
         """Managed blocks per layer held now: an FP8 pool refuses new scales while any is (`KVPool.set_scales`)."""
@@ -212,6 +219,7 @@ class Scheduler:
             self.free(row)
         owner.rows = [[] for _ in owner.rows]
         self.regions.release(owner.owner_id, self.free)
+        self.prefix_cache.release(owner.owner_id)
         del self.owners[owner.owner_id]
         self.sharing.discard(owner.owner_id)
         self.finished[owner.owner_id] = why
@@ -234,7 +242,8 @@ class Scheduler:
     # ---- lifecycle ------------------------------------------------------------------------------
     def admit(self, owner_id: str, spec: Any, rows: int | None = None, *,
               cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
-              content_keys: Sequence[str | bytes] | None = None) -> None:
+              content_keys: Sequence[str | bytes] | None = None, prompt_tokens: Sequence[Any] | None = None,
+              prompt_keys: Sequence[str | bytes] = ()) -> None:
         """Admit a session/request of `spec`'s family with `rows` rows (default: what the spec says).
 
         All rows or none; past `max_sessions` live owners of an LRU-evicting family, the least recently
@@ -246,6 +255,10 @@ class Scheduler:
         given, else the bytes; the bytes are always compared before sharing) is shared by reference count, else the
         row's K/V is written once into blocks of its own. The regions and the rows' blocks are taken in one atomic
         allocation.
+
+        `prompt_tokens` (per row, the prompt's token ids; with `cache_salt` and `prompt_keys`, what else determines
+        their K/V) shares the request's leading full prompt blocks with earlier requests by a hash chain
+        (`prefix_cache.py`, `_admit_prompt`); its own full prompt blocks are published once its prefill succeeded.
         """
         self._check_idle()
         fam = families.for_spec(spec)
@@ -254,8 +267,18 @@ class Scheduler:
         self._check_rows(rows)
         counts = fam.admission_blocks(spec, rows, self)
         reserved = max(sum(counts), fam.reserve(spec, rows, self))  # what the owner may hold up to its reset
+        if prompt_tokens is not None:
+            lens = check_prompt_admission(fam, spec, rows, cross_kv)
+            if content_keys is not None:
+                raise ConfigError("content_keys key a shared region (cross_kv); a cached prompt is keyed by "
+                                  "prompt_tokens, cache_salt and prompt_keys")
+            self._admit_prompt(owner_id, fam, spec, counts, lens, prompt_tokens, cache_salt, prompt_keys)
+            return
+        if prompt_keys:
+            raise ConfigError("prompt_keys key a cached prompt prefix: pass them with prompt_tokens")
         if cross_kv is None and (cache_salt is not None or content_keys is not None):
-            raise ConfigError("cache_salt and content_keys key a shared region: pass them with cross_kv")
+            raise ConfigError("cache_salt and content_keys key a shared region: pass them with cross_kv (or "
+                              "cache_salt with prompt_tokens)")
         requests = None if cross_kv is None else self.regions.requests(self.pool, cross_kv, rows, cache_salt,
                                                                        content_keys)
         victim = self._lru_victim(fam)
@@ -268,6 +291,37 @@ class Scheduler:
             taken = self._admit_regions(owner_id, counts, reserved, requests, victim)
         self.owners[owner_id] = Owner(owner_id, fam, spec, taken, state=fam.new_state(spec, rows),
                                       serial=next(self._serials), reserved=reserved)
+
+    def _admit_prompt(self, owner_id: str, fam, spec: Any, counts: list[int], lens: list[int],
+                      prompt_tokens: Sequence[Any], cache_salt: Any, prompt_keys: Sequence[Any]) -> None:
+        """Admission with a cached prompt prefix: every row shares the same number of leading cached blocks (the
+        fewest any row found confirmed: the model runs one suffix for all rows), the rest taken fresh. The owner
+        reserves only what it takes: a shared block is counted once, for the cache (`Reservations`)."""
+        cache = self.prefix_cache
+        chains, salt, keys = cache.chains(prompt_tokens, lens, self.block_size, cache_salt, prompt_keys)
+        found = [cache.match(chain, salt, keys) for chain in chains]
+        k = min(len(f) for f in found)
+        own = [c - k for c in counts]
+        reserved = max(sum(own), fam.reserve(spec, len(counts), self))
+        shared = [f[:k] for f in found]
+        revived = len({c.block for row in shared for c in row if c.block in cache.idle})  # idle now, held after
+        self._check_reserved(f"admitting {owner_id!r}", reserved + revived, None)
+        cache.hold(owner_id, chains, salt, keys, shared, self.allocator)  # pinned first: never evicted for `own`
+        try:
+            taken = self.allocate_rows(own)
+        except BaseException:
+            self.free([c.block for row in shared for c in row])
+            cache.holds.pop(owner_id)
+            for c in (c for row in shared for c in row):
+                c.holders -= 1
+                if c.holders == 0:
+                    cache.idle[c.block] = None
+            raise
+        rows = [[c.block for c in sh] + t for sh, t in zip(shared, taken)]
+        self.owners[owner_id] = Owner(owner_id, fam, spec, rows, state=fam.new_state(spec, len(rows)),
+                                      serial=next(self._serials), reserved=reserved,
+                                      prefix_ready=tuple([k * self.block_size] * len(rows)) if k else ())
+        self.sharing.add(owner_id)
 
     def _admit_regions(self, owner_id: str, counts: list[int], reserved: int, requests, victim: Owner | None):
         """Admission with shared regions: the rows' blocks and the new regions' in one allocation, regions written
@@ -301,8 +355,14 @@ class Scheduler:
         """Free every block of an owner's history; it stays admitted (e.g. a window reset)."""
         self._check_idle()
         owner = self._get(owner_id)
+        if owner.prefix_ready:
+            raise RequestError(
+                f"{owner.owner_id!r} reads a prompt prefix it did not compute (a cached prefix shared with other "
+                "requests): a reset would drop it while its reservation counts only its own blocks; release it and "
+                "admit it again")
         for row in owner.rows:
             self.free(row)
+        self.prefix_cache.drop_history(owner_id)
         owner.rows = [[] for _ in owner.rows]
         owner.version += 1
         self.sharing.discard(owner_id)
@@ -332,10 +392,11 @@ class Scheduler:
             self._release(victim, "evicted (LRU cap on live sessions)")
         self.allocator.share(shared)
         self.regions.fork(parent_id, child_id, self.allocator)
+        self.prefix_cache.fork(parent_id, child_id)
         self.sharing.update((parent_id, child_id))
         self.owners[child_id] = Owner(child_id, parent.family, parent.spec, [list(r) for r in parent.rows],
                                       phases_done=set(parent.phases_done), state=state, serial=next(self._serials),
-                                      reserved=parent.reserved, take_budget=budget)
+                                      reserved=parent.reserved, take_budget=budget, prefix_ready=parent.prefix_ready)
 
     def release(self, owner_id: str) -> None:
         """End a session/request normally; all its blocks are freed."""
@@ -476,6 +537,9 @@ class Scheduler:
             owner = self.owners[part.owner_id]
             owner.family.finish(owner, part, self)
             owner.phases_done.add(part.kind)
+            if part.keeps_kv and owner.owner_id in self.prefix_cache.holds:  # its prompt K/V exist now: publish
+                self.prefix_cache.publish(owner.owner_id, owner.rows, self.allocator)
+                self.sharing.add(owner.owner_id)  # its published blocks are shared: its plans are write-checked
             if owner.take_budget is not None:
                 owner.take_budget -= sum(len(new) for new in part.new_blocks)
         self.in_flight = None

@@ -164,6 +164,10 @@ class HunyuanImage3Family(Family):
             blocks.check_scratch(ceil_div(p + spec.target_len, B) - ceil_div(p, B))
         return [ceil_div(p, B) for p in spec.prefix_lens]
 
+    def cacheable_prefix(self, spec: HunyuanSpec) -> list[int]:
+        """Each row's prompt: causal text whose K/V depend on the tokens before them and the caller's keys."""
+        return list(spec.prefix_lens)
+
     def new_state(self, spec: HunyuanSpec, rows: int) -> HunyuanRecord:
         return HunyuanRecord()
 
@@ -196,7 +200,13 @@ class HunyuanImage3Family(Family):
         pad = int(args.get("step_padding") or 0) if kind == "step" else 0
         if pad < 0:
             raise RequestError(f"step_padding={pad} must be >= 0 (the padded tokens after the target)")
-        if kind == "prefill":
+        suffix_from = args.get("suffix_from")
+        context = prefix_capacity
+        if kind == "prefill" and (owner.prefix_ready or suffix_from is not None):
+            layouts, key_positions, taken, state, tokens = self._plan_suffix(owner, blocks, attention_mask,
+                                                                             suffix_from)
+            context = suffix_from
+        elif kind == "prefill":
             layouts, key_positions, taken, state, tokens = self._plan_prefill(owner, blocks, prefix_capacity,
                                                                               attention_mask)
         else:
@@ -204,13 +214,11 @@ class HunyuanImage3Family(Family):
                                                                            attention_mask, pad)
         # A prefill's layout comes from its mask, which no cheap key names: it is always built (once per request).
         key = (owner.serial, kind, owner.version, prefix_capacity, pad) if kind == "step" else ()
-        return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, taken, key,
+        return ForwardPlan(owner.owner_id, kind, layouts, tokens, context, taken, key,
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
-    def _plan_prefill(self, owner: Owner, blocks: BlockSource, prefix_capacity: int,
-                      attention_mask: torch.Tensor | None) -> tuple:
-        """(layouts, key positions, blocks taken, record, tokens) of a prefill: each row's layout read from the mask,
-        checked against the spec, and the prompt's blocks taken again after a reset."""
+    def _prefill_layouts(self, owner: Owner, attention_mask: torch.Tensor | None) -> list[MaskLayout]:
+        """Each row's layout read from the model's whole prefill mask, checked against the spec."""
         spec: HunyuanSpec = owner.spec
         if attention_mask is None:
             raise RequestError(
@@ -225,6 +233,14 @@ class HunyuanImage3Family(Family):
             mask_layouts.append(mask_layouts[0] if masks[r] is masks[0] else layout_from_prefill_mask(masks[r], r))
         for r, (ml, p) in enumerate(zip(mask_layouts, spec.prefix_lens)):
             _check_against_spec(r, ml, p, spec)
+        return mask_layouts
+
+    def _plan_prefill(self, owner: Owner, blocks: BlockSource, prefix_capacity: int,
+                      attention_mask: torch.Tensor | None) -> tuple:
+        """(layouts, key positions, blocks taken, record, tokens) of a prefill: each row's layout read from the mask,
+        checked against the spec, and the prompt's blocks taken again after a reset."""
+        spec: HunyuanSpec = owner.spec
+        mask_layouts = self._prefill_layouts(owner, attention_mask)
         B = blocks.block_size
         # After a reset (`history_dropped`) the request holds no prompt blocks: its prefill takes them again (admission
         # reserved them), or the prompt would be written into scratch, which the next forward overwrites.
@@ -241,6 +257,48 @@ class HunyuanImage3Family(Family):
         # a prefill (again: a retry, another mask) makes the next step's mask checked against its layout
         key_positions = [ml.positions for ml in mask_layouts]
         return layouts, key_positions, taken, HunyuanRecord(mask_layouts), len(mask_layouts[0].positions)
+
+    def _plan_suffix(self, owner: Owner, blocks: BlockSource, attention_mask: torch.Tensor | None,
+                     suffix_from: int | None) -> tuple:
+        """(layouts, key positions, blocks taken, record, tokens) of a prefill whose rows' leading tokens are already
+        in their blocks (`Owner.prefix_ready`: a prompt prefix served from the prefix cache; pages imported from
+        another producer, every prompt token ready): the model feeds only dense tokens [suffix_from, S) and reads
+        dense tokens [0, suffix_from) from its cache, as a step does (`hunyuan_steps(..., suffix_from=C)`: the
+        prefix-step idiom, at bucket (rows, S - C, C)). This is the general first forward over a ready history; the
+        layout is still read from the whole prefill mask (`attention_mask`: (rows, 1, S, S)).
+
+        Every row's dense tokens before `suffix_from` must be exactly its ready tokens (or padding) and no later
+        one may be ready: the forward writes only what it computes, never a ready (shared or imported) block."""
+        spec: HunyuanSpec = owner.spec
+        ready = owner.prefix_ready or (0,) * len(spec.prefix_lens)
+        if suffix_from is None or isinstance(suffix_from, bool) or not isinstance(suffix_from, int) or suffix_from < 1:
+            raise RequestError(
+                f"request {owner.owner_id!r} holds {list(ready)} ready prompt tokens per row (a cached or imported "
+                "prefix): its prefill computes only the rest. Feed the model dense tokens [C, S) over a cache of "
+                "capacity C and pass suffix_from=C (hunyuan_steps(..., suffix_from=C); C = "
+                f"{min(ready) if min(ready) else '?'} for a cached prefix); got suffix_from={suffix_from!r}")
+        mask_layouts = self._prefill_layouts(owner, attention_mask)
+        B = blocks.block_size
+        layouts = []
+        for r, (row, ml, n) in enumerate(zip(owner.rows, mask_layouts, ready)):
+            pos = ml.positions
+            if suffix_from >= len(pos):
+                raise RequestError(f"suffix_from={suffix_from} leaves no token to compute ({len(pos)} dense tokens)")
+            before = pos[:suffix_from]
+            before = torch.sort(before[before >= 0]).values
+            later = pos[suffix_from:]
+            if not torch.equal(before, torch.arange(n, dtype=before.dtype)) or bool((later[later >= 0] < n).any()):
+                raise RequestError(
+                    f"row {r}: dense tokens [0, {suffix_from}) hold logical positions {before.tolist()[:8]}"
+                    f"{'...' if len(before) > 8 else ''} but the row's ready prefix is positions [0, {n}): the suffix "
+                    "forward must start right after the ready tokens (and their padding); pass suffix_from = the dense "
+                    "column after them")
+            if not row:
+                raise RequestError(f"row {r} of {owner.owner_id!r} holds no prompt blocks; admit it again")
+            scratch = blocks.scratch(r, len(row), (ml.kept - 1) // B)
+            layouts.append(RowLayout.build(row, scratch, pos[suffix_from:], ml.visible_end[suffix_from:], ml.kept))
+        key_positions = [ml.positions for ml in mask_layouts]  # dense key columns: [cache (C) | suffix] = 0..S-1
+        return layouts, key_positions, [], HunyuanRecord(mask_layouts), len(mask_layouts[0].positions) - suffix_from
 
     def _plan_step(self, owner: Owner, blocks: BlockSource, prefix_capacity: int,
                    attention_mask: torch.Tensor | None, pad: int = 0) -> tuple:
