@@ -209,13 +209,15 @@ class PrefixCache:
             del self._by_digest[cached.digest]
 
     # ---- after the prefill ----------------------------------------------------------------------------
-    def publish(self, owner_id: str, rows: Sequence[Sequence[int]], allocator: BlockAllocator) -> None:
+    def publish(self, owner_id: str, rows: Sequence[Sequence[int]], allocator: BlockAllocator) -> int:
         """Once `owner_id`'s prefill succeeded: index every full prompt block of its rows not cached yet (one index
-        reference each). A block whose content another request published meanwhile stays private (no duplicates)."""
+        reference each); how many of its blocks it indexed. A block whose content another request published meanwhile
+        stays private (no duplicates)."""
         hold = self.holds.get(owner_id)
         if hold is None or hold.published:
-            return
+            return 0
         hold.published = True
+        published = 0
         mine = {id(c) for c in hold.held}
         for chain, blocks in zip(hold.chains, rows):
             parent = None
@@ -227,11 +229,13 @@ class PrefixCache:
                     allocator.share([block])
                     self._by_digest.setdefault(link.digest, []).append(hit)
                     self.by_block[block] = hit
+                    published += 1
                 if hit.block == block and id(hit) not in mine:
                     hit.holders += 1
                     hold.held.append(hit)
                     mine.add(id(hit))
                 parent = hit
+        return published
 
     # ---- forks and release ----------------------------------------------------------------------------
     def fork(self, parent_id: str, child_id: str) -> None:

@@ -265,10 +265,10 @@ class Scheduler:
         self._check_new_id(owner_id)
         rows = fam.rows(spec, rows)
         self._check_rows(rows)
+        lens = check_prompt_admission(fam, spec, rows, cross_kv) if prompt_tokens is not None else None
         counts = fam.admission_blocks(spec, rows, self)
         reserved = max(sum(counts), fam.reserve(spec, rows, self))  # what the owner may hold up to its reset
-        if prompt_tokens is not None:
-            lens = check_prompt_admission(fam, spec, rows, cross_kv)
+        if lens is not None:
             if content_keys is not None:
                 raise ConfigError("content_keys key a shared region (cross_kv); a cached prompt is keyed by "
                                   "prompt_tokens, cache_salt and prompt_keys")
@@ -292,18 +292,36 @@ class Scheduler:
         self.owners[owner_id] = Owner(owner_id, fam, spec, taken, state=fam.new_state(spec, rows),
                                       serial=next(self._serials), reserved=reserved)
 
+    def prompt_sharing(self, spec: Any, rows: int | None, prompt_tokens: Sequence[Any], cache_salt: Any = None,
+                       prompt_keys: Sequence[Any] = ()) -> tuple[tuple[int, ...], ...]:
+        """Per row, the cached blocks an admission with these prompt tokens would share now; changes nothing (a
+        multi-rank runtime votes on it before admitting, `distributed/rank_runtime.py`)."""
+        fam = families.for_spec(spec)
+        rows = fam.rows(spec, rows)
+        lens = check_prompt_admission(fam, spec, rows, None)
+        found = self._prompt_matches(lens, prompt_tokens, cache_salt, prompt_keys)[0]
+        return tuple(tuple(c.block for c in row) for row in found)
+
+    def _prompt_matches(self, lens: list[int], prompt_tokens: Sequence[Any], cache_salt: Any,
+                        prompt_keys: Sequence[Any]) -> tuple:
+        """(per row the cached blocks to share, chains, salt, keys): the same number in every row (the fewest any row
+        found confirmed)."""
+        cache = self.prefix_cache
+        chains, salt, keys = cache.chains(prompt_tokens, lens, self.block_size, cache_salt, prompt_keys)
+        found = [cache.match(chain, salt, keys) for chain in chains]
+        k = min(len(f) for f in found)
+        return [f[:k] for f in found], chains, salt, keys
+
     def _admit_prompt(self, owner_id: str, fam, spec: Any, counts: list[int], lens: list[int],
                       prompt_tokens: Sequence[Any], cache_salt: Any, prompt_keys: Sequence[Any]) -> None:
         """Admission with a cached prompt prefix: every row shares the same number of leading cached blocks (the
         fewest any row found confirmed: the model runs one suffix for all rows), the rest taken fresh. The owner
         reserves only what it takes: a shared block is counted once, for the cache (`Reservations`)."""
         cache = self.prefix_cache
-        chains, salt, keys = cache.chains(prompt_tokens, lens, self.block_size, cache_salt, prompt_keys)
-        found = [cache.match(chain, salt, keys) for chain in chains]
-        k = min(len(f) for f in found)
+        shared, chains, salt, keys = self._prompt_matches(lens, prompt_tokens, cache_salt, prompt_keys)
+        k = len(shared[0])
         own = [c - k for c in counts]
         reserved = max(sum(own), fam.reserve(spec, len(counts), self))
-        shared = [f[:k] for f in found]
         revived = len({c.block for row in shared for c in row if c.block in cache.idle})  # idle now, held after
         self._check_reserved(f"admitting {owner_id!r}", reserved + revived, None)
         cache.hold(owner_id, chains, salt, keys, shared, self.allocator)  # pinned first: never evicted for `own`
@@ -355,11 +373,12 @@ class Scheduler:
         """Free every block of an owner's history; it stays admitted (e.g. a window reset)."""
         self._check_idle()
         owner = self._get(owner_id)
-        if owner.prefix_ready:
+        hold = self.prefix_cache.holds.get(owner_id)
+        if owner.prefix_ready or (hold is not None and hold.held):
             raise RequestError(
-                f"{owner.owner_id!r} reads a prompt prefix it did not compute (a cached prefix shared with other "
-                "requests): a reset would drop it while its reservation counts only its own blocks; release it and "
-                "admit it again")
+                f"{owner.owner_id!r} holds prompt blocks of the prefix cache (shared with other requests, or published "
+                "for them): its reservation counts only the blocks no one shares, so a reset (whose next prefill takes "
+                "them all again) is refused; release it and admit it again")
         for row in owner.rows:
             self.free(row)
         self.prefix_cache.drop_history(owner_id)
@@ -538,7 +557,8 @@ class Scheduler:
             owner.family.finish(owner, part, self)
             owner.phases_done.add(part.kind)
             if part.keeps_kv and owner.owner_id in self.prefix_cache.holds:  # its prompt K/V exist now: publish
-                self.prefix_cache.publish(owner.owner_id, owner.rows, self.allocator)
+                published = self.prefix_cache.publish(owner.owner_id, owner.rows, self.allocator)
+                owner.reserved = max(owner.reserved - published, 0)  # the cache reserves them now (`pinned_count`)
                 self.sharing.add(owner.owner_id)  # its published blocks are shared: its plans are write-checked
             if owner.take_budget is not None:
                 owner.take_budget -= sum(len(new) for new in part.new_blocks)

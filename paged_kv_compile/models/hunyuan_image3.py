@@ -475,7 +475,7 @@ def hunyuan_steps(
         if i == 0 and suffix_from:
             C = suffix_from
             hidden = yield Forward("prefill", i, lambda: model(
-                torch.cat([req.prefix_embeds, target], dim=1)[:, C:], req.rope_cos[:, C:].contiguous(),
+                torch.cat([req.prefix_embeds, target], dim=1)[:, C:].contiguous(), req.rope_cos[:, C:].contiguous(),
                 req.rope_sin[:, C:].contiguous(), req.attention_mask[:, :, C:].contiguous(), first_caches,
                 req.prefix_valid, "step",
             ), dict(attention_mask=req.attention_mask, suffix_from=C, **info))  # fmt: skip
