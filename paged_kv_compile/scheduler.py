@@ -206,8 +206,9 @@ class Scheduler:
         return Reservations(self.allocator, self.owners, self.regions, self.prefix_cache)
 
     def held_blocks(self) -> int:
-        """Managed blocks per layer held now: an FP8 pool refuses new scales while any is (`KVPool.set_scales`)."""
-        return self.reservations.held()
+        """Managed blocks per layer holding K/V now, idle cached prompt blocks included (they were quantized with the
+        current scales): an FP8 pool refuses new scales while any is (`KVPool.set_scales`)."""
+        return self.allocator.num_blocks - self.allocator.num_free
 
     def _check_reserved(self, what: str, need: int, victim: Owner | None, *, shared: Owner | None = None,
                         budget: int | None = None) -> None:

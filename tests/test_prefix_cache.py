@@ -359,3 +359,36 @@ def test_prefix_cache_cached_request_matches_the_full_dense_request_compiled():
         assert all(r.status == "rewritten" for r in res.reports)
         assert not host_syncs(res.graph_module)
     assert rt.bucket_misses == {}
+
+
+# ---- the benchmark's arithmetic ------------------------------------------------------------------------------------
+
+
+def test_prefix_cache_benchmark_real_geometry_counts_blocks_as_the_arithmetic_says():
+    from benchmarks import prefix_cache as bench
+
+    real = bench.real_geometry([1, 8], budget_gib=8.0)
+    per_block = 32 * 2 * 16 * 8 * 128 * 2  # layers x K/V x block x kv heads x head dim x bf16: 2 MiB
+    assert real["bytes_per_block_all_layers"] == per_block
+    own = -(-1064 // 16) + -(-1008 // 16)  # 67 + 63 blocks: cond 1000 + 64 tokens, uncond 1000 + 8
+    unshared_per_request = own  # nothing shared
+    shared_later = own - 2 * (1000 // 16)  # 62 full system-prompt blocks shared in each row
+    one, eight = real["held"]
+    assert one["unshared_gib"] == one["shared_gib"] == round(own * per_block / 2**30, 3)
+    assert eight["unshared_gib"] == round(8 * unshared_per_request * per_block / 2**30, 3)
+    assert eight["shared_gib"] == round((own + 7 * shared_later) * per_block / 2**30, 3)
+    budget = 8 * 2**30 // per_block
+    assert real["admitted_unshared"] == budget // own
+    assert real["admitted_shared"] == 1 + (budget - own) // shared_later
+
+
+def test_prefix_cache_idle_cached_blocks_keep_fp8_scales_fixed():
+    """An idle cached block still holds K/V quantized with the current scales: new scales are refused."""
+    rt = _runtime(kv_dtype=torch.float8_e4m3fn)
+    a = _request(3, seed=3)
+    _admit(rt, "a", a)
+    _prefill(rt, "a", a)
+    rt.release("a")
+    assert rt.scheduler.prefix_cache.idle_count == 4
+    with pytest.raises(ConfigError, match="set_scales while 4 blocks per layer are held"):
+        rt.pool.set_scales(0.5, 0.5)
