@@ -21,7 +21,7 @@ before anything is shared, so a colliding or forged digest gets blocks of its ow
 Lifecycle (`Scheduler.admit` / `finish_forward` / `_release`):
   * admission walks each row's chain and shares the longest confirmed run of cached blocks, the same number in
     every row of the request (the dense model runs one suffix for all its rows); the rest is taken fresh;
-  * only once the owner's first forward that keeps K/V (HunyuanImage-3's prefill) has succeeded are its full
+  * only once the owner's first forward that keeps K/V (e.g. a prefill) has succeeded are its full
     prompt blocks published; a failed or aborted request publishes nothing;
   * the index holds one reference of its own on each cached block; a cached block no owner holds is *idle*: it
     counts as free for admission (`Reservations`) and is evicted, least recently used first (a released request's

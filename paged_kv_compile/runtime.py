@@ -265,10 +265,11 @@ class PagedKVRuntime:
         keyed by `content_keys` (one per row, e.g. a hash of the prompt's token ids) or by the K/V bytes, and
         confirmed byte for byte before anything is shared (`regions.py`).
 
-        prompt_tokens: per row the prompt's token ids (HunyuanImage-3): its leading full prompt blocks are shared
-        with earlier requests of the same `cache_salt` and `prompt_keys` (what else determines the prompt's K/V:
-        model, adapter, image identity, generator state, grid) whose prefill succeeded, confirmed token for token
-        (`prefix_cache.py`); `owner(owner_id).prefix_ready` then says how many tokens its prefill skips.
+        prompt_tokens: per row the prompt's token ids (a family whose `cacheable_prefix` names its prompt): its leading
+        full prompt blocks are shared with earlier requests of the same `cache_salt` and `prompt_keys` (what else
+        determines the prompt's K/V: model, adapter, image identity, generator state, grid) whose prefill succeeded,
+        confirmed token for token (`prefix_cache.py`); `owner(owner_id).prefix_ready` then says how many tokens its
+        prefill skips.
         """
         self.scheduler.admit(owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt,
                              content_keys=content_keys, prompt_tokens=prompt_tokens, prompt_keys=prompt_keys)
