@@ -9,13 +9,15 @@ import pytest
 import torch
 
 from paged_kv_compile import prefix_cache
+from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
+from paged_kv_compile.capture.calls import record_calls
 from paged_kv_compile.config import Bucket
 from paged_kv_compile.driver import PagedHooks
 from paged_kv_compile.errors import CapacityError, ConfigError, RequestError
 from paged_kv_compile.families.dreamzero import DreamZeroSpec
-from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec
+from paged_kv_compile.families.hunyuan_image3 import hunyuan_layer_inputs, hunyuan_runtime_config, hunyuan_spec
 from paged_kv_compile.models.dreamzero import DreamZeroConfig
-from paged_kv_compile.models.hooks import drive
+from paged_kv_compile.models.hooks import DenseHooks, drive
 from paged_kv_compile.models.hunyuan_image3 import (HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate,
                                                     hunyuan_steps)
 from paged_kv_compile.prefix_cache import prompt_chain
@@ -326,32 +328,42 @@ def test_prefix_cache_bad_admissions_are_refused_and_change_nothing():
 # ---- the model: a request served from the cache is computed over its suffix only, compiled --------------------------
 
 
-def test_prefix_cache_cached_request_matches_the_full_dense_request_compiled():
-    T = CFG.target_len
-    # prefill (P + T), suffix over a cached 8-token prefix (P + T - 8 tokens over a context of 8), step (T)
-    buckets = (Bucket(2, P + T, P), Bucket(2, P + T - 8, 8), Bucket(2, T, P))
-    a, b = _request(3, seed=3), _request(4, seed=4)
-    want = hunyuan_generate(HunyuanImage3Model(CFG, seed=2), b, prefix_capacity=P, num_steps=3, seed=5)
+T_LEN = CFG.target_len
+#: prefill (P + T), a suffix over a cached 8-token prefix (P + T - 8 tokens over a context of 8), step (T)
+BUCKETS = (Bucket(2, P + T_LEN, P), Bucket(2, P + T_LEN - 8, 8), Bucket(2, T_LEN, P))
+
+
+def _compiled(buckets=BUCKETS):
     model = HunyuanImage3Model(CFG, seed=2)
     rt = _runtime(buckets=buckets)
     rt.bind(model.layers)
     backend = CountingBackend({"inner_compiler": "aot_eager"})
     compile_blocks(model.layers, backend)
+    return model, rt, backend
 
-    def run(rid, prompts):
-        _admit(rt, rid, prompts)
-        hooks = PagedHooks(rt, rid)
-        ready = rt.owner(rid).prefix_ready
-        with torch.no_grad():
-            out = drive(hunyuan_steps(model, prompts, prefix_capacity=P, num_steps=3, seed=5, hooks=hooks,
-                                      suffix_from=ready[0] if ready else 0), hooks)
-        rt.release(rid)
-        return out, ready
 
-    _, ready_a = run("a", a)
-    got, ready_b = run("b", b)
+def _run(model, rt, rid, prompts, num_steps=3):
+    _admit(rt, rid, prompts)
+    hooks = PagedHooks(rt, rid)
+    ready = rt.owner(rid).prefix_ready
+    with torch.no_grad():
+        out = drive(hunyuan_steps(model, prompts, prefix_capacity=P, num_steps=num_steps, seed=5, hooks=hooks,
+                                  suffix_from=ready[0] if ready else 0), hooks)
+    rt.release(rid)
+    return out, ready
+
+
+def _dense(prompts, num_steps=3):
+    return hunyuan_generate(HunyuanImage3Model(CFG, seed=2), prompts, prefix_capacity=P, num_steps=num_steps, seed=5)
+
+
+def test_prefix_cache_cached_request_matches_the_full_dense_request_compiled():
+    a, b = _request(3, seed=3), _request(4, seed=4)
+    model, rt, backend = _compiled()
+    _, ready_a = _run(model, rt, "a", a)
+    got, ready_b = _run(model, rt, "b", b)
     assert ready_a == () and ready_b == (8, 8)
-    assert (got - want).abs().max().item() <= ATOL
+    assert (got - _dense(b)).abs().max().item() <= ATOL
     assert backend.frames == 3  # one graph per bucket, shared by every layer
     patterns = sorted(r.pattern for res in backend.results for r in res.reports)
     assert patterns == ["prefill-store", "prefix-step", "prefix-step"]
@@ -359,6 +371,37 @@ def test_prefix_cache_cached_request_matches_the_full_dense_request_compiled():
         assert all(r.status == "rewritten" for r in res.reports)
         assert not host_syncs(res.graph_module)
     assert rt.bucket_misses == {}
+
+
+def test_prefix_cache_cached_request_through_captured_forwards_runs_no_python_and_matches_dense():
+    """The captured path: every bucket (the suffix's too) warmed up and captured; serving replays with the per-call
+    checks on the host and no Python inside the graphs."""
+    a, b = _request(3, seed=3), _request(4, seed=4)
+    model, rt, _ = _compiled()
+    captured = CapturedBlocks(model.layers, rt, lambda bucket: hunyuan_layer_inputs(model, rt, bucket),
+                              graphs=CompiledOnlyGraphs(), granularity="forward")
+    captured.warmup(progress=False)
+    with captured.serving(), record_calls() as python_calls:
+        _run(model, rt, "a", a)
+        got, ready = _run(model, rt, "b", b)
+    assert ready == (8, 8)
+    assert python_calls == [] and captured.stats["replays"] == 2 * 3  # a prefill (b: its suffix) and two steps each
+    assert captured.stats["direct_calls"] == captured.stats["fallback_calls"] == 0
+    assert (got - _dense(b)).abs().max().item() <= ATOL
+
+
+def test_prefix_cache_a_suffix_needs_a_cache_that_holds_the_prefix():
+    model = HunyuanImage3Model(CFG, seed=2)
+    with pytest.raises(ValueError, match="a dense cache holds nothing there"):
+        drive(hunyuan_steps(model, _request(3, seed=3), prefix_capacity=P, num_steps=1, suffix_from=8), DenseHooks())
+    rt = _runtime()
+    a = _request(3, seed=3)
+    rt.admit("plain", hunyuan_spec(CFG, a))  # no prompt tokens: nothing ready, a suffix would skip real tokens
+    before = rt.state()
+    with pytest.raises(RequestError, match="ready prefix is positions \\[0, 0\\)"):
+        rt.forward("plain", "prefill", prefix_capacity=P, attention_mask=hunyuan_spec(CFG, a).padded_mask(P),
+                   suffix_from=8)
+    assert rt.state() == before
 
 
 # ---- the benchmark's arithmetic ------------------------------------------------------------------------------------

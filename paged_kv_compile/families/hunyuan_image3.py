@@ -454,14 +454,22 @@ def _check_step_mask(masks: list[torch.Tensor], layouts: list[RowLayout], key_po
 
 
 def hunyuan_layer_inputs(model, runtime: ModelRuntime, bucket: Bucket) -> tuple[tuple, dict]:
-    """Arguments of one `HunyuanDecoderLayer` call of `bucket` (prefill or step, from the token count)."""
+    """Arguments of one `HunyuanDecoderLayer` call of `bucket` (prefill or step, from the token count; more tokens
+    than a step over a context C: a prefill's suffix over C ready tokens, `hunyuan_steps(..., suffix_from=C)`)."""
     cfg, p = model.cfg, next(model.parameters())
     R, T, P = bucket.rows, bucket.tokens, bucket.context
     target = cfg.target_len
+    if P >= 1 and T > target and T != P + target:  # a suffix: step-mode call over the dense tokens [C, S)
+        req = model.build_request([torch.zeros(P + T - target, dtype=torch.int64)] * R, P + T - target)
+        cache = HUNYUAN_IMAGE3.standin_caches(runtime, model, R, prefix_capacity=P)[0]
+        hidden = torch.zeros(R, T, cfg.hidden, dtype=p.dtype, device=p.device)
+        return (hidden, req.rope_cos[:, P:].contiguous(), req.rope_sin[:, P:].contiguous(),
+                req.attention_mask[:, :, P:].contiguous(), cache, req.prefix_valid, "step"), {}
     if P < 1 or T not in (P + target, target):
         raise ConfigError(
             f"bucket {bucket} is not a HunyuanImage-3 forward: tokens must be prefix capacity + {target} "
-            f"(prefill) or {target} (step), with a capacity >= 1; use hunyuan_buckets(model.cfg, capacities)"
+            f"(prefill), {target} (step) or more (a prefill's suffix over a ready prefix of `context` tokens), with a "
+            "capacity >= 1; use hunyuan_buckets(model.cfg, capacities)"
         )
     req = model.build_request([torch.zeros(P, dtype=torch.int64)] * R, P)
     cache = HUNYUAN_IMAGE3.standin_caches(runtime, model, R, prefix_capacity=P)[0]  # what the driver hands over

@@ -466,6 +466,10 @@ def hunyuan_steps(
     sigmas = torch.linspace(1.0, 0.0, num_steps + 1).tolist()
     if not 0 <= suffix_from < P + cfg.target_len:
         raise ValueError(f"suffix_from must lie in [0, {P + cfg.target_len}), got {suffix_from}")
+    if suffix_from and type(hooks).caches is DenseHooks.caches:
+        raise ValueError(f"suffix_from={suffix_from} reads tokens [0, {suffix_from}) from a cache that already holds "
+                         "them (a paged runtime's cached or imported prefix); a dense cache holds nothing there: run "
+                         "the dense loop with suffix_from=0")
     first_caches = hooks.caches(model, b, prefix_capacity=suffix_from) if suffix_from else None
     caches = hooks.caches(model, b, prefix_capacity=P)
     info = dict(prefix_lens=list(req.prefix_lens), prefix_capacity=P, target_len=cfg.target_len)
