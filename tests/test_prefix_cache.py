@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_kv_compile import prefix_cache
 from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
@@ -435,3 +438,86 @@ def test_prefix_cache_idle_cached_blocks_keep_fp8_scales_fixed():
     assert rt.scheduler.prefix_cache.idle_count == 4
     with pytest.raises(ConfigError, match="set_scales while 4 blocks per layer are held"):
         rt.pool.set_scales(0.5, 0.5)
+
+
+# ---- random lifecycles --------------------------------------------------------------------------------------------
+
+
+_PROMPT_PARTS = [_ids(4, seed=50 + i)[0] for i in range(3)]  # one block each: prompts are drawn from these
+
+
+@settings(max_examples=150, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+class PrefixCacheLifecycles(RuleBasedStateMachine):
+    """Random admissions (prompts drawn from a few blocks, two salts), prefills that succeed or fail, releases and
+    aborts on a small pool: refcounts always equal the owners' holds plus the index's own, idle cached blocks are
+    exactly those no owner holds, nothing leaks, and every shared block holds the tokens its requests name."""
+
+    def __init__(self):
+        super().__init__()
+        self.rt = _runtime(requests=2)
+        self.serial = 0
+        self.prompts: dict[str, list[torch.Tensor]] = {}
+
+    @rule(parts=st.lists(st.integers(0, 2), min_size=1, max_size=3), tail=st.integers(0, 3),
+          salt=st.sampled_from([None, "t"]), neg=st.lists(st.integers(0, 2), min_size=1, max_size=2))
+    def admit(self, parts, tail, salt, neg):
+        rid = f"r{self.serial}"
+        self.serial += 1
+        row0 = torch.cat([_PROMPT_PARTS[i] for i in parts] + [_ids(tail, seed=self.serial)[0]])[:P]
+        prompts = [row0, torch.cat([_PROMPT_PARTS[i] for i in neg])]
+        before = self.rt.state()
+        try:
+            _admit(self.rt, rid, prompts, cache_salt=salt)
+        except CapacityError:
+            assert self.rt.state() == before
+            return
+        self.prompts[rid] = prompts
+        ready = self.rt.owner(rid).prefix_ready
+        event(f"admitted with {ready[0] if ready else 0} cached tokens per row")
+        if ready:  # what it shares is what it would have computed: the same tokens, confirmed
+            for row, prompt in zip(self.rt.owner(rid).rows, prompts):
+                for i, blk in enumerate(row[: ready[0] // B]):
+                    cached = self.rt.scheduler.prefix_cache.by_block[blk]
+                    assert cached.tokens == prompt[i * B : (i + 1) * B].numpy().astype("<i8").tobytes()
+
+    @precondition(lambda self: self.prompts)
+    @rule(pick=st.integers(0, 100), fail=st.booleans())
+    def prefill(self, pick, fail):
+        rid = sorted(self.prompts)[pick % len(self.prompts)]
+        if "prefill" in self.rt.owner(rid).phases_done:
+            return
+        cached = len(self.rt.scheduler.prefix_cache.by_block)
+        try:
+            spec = hunyuan_spec(CFG, self.prompts[rid])
+            ready = self.rt.owner(rid).prefix_ready
+            with self.rt.forward(rid, "prefill", prefix_capacity=P, attention_mask=spec.padded_mask(P),
+                                 **({"suffix_from": ready[0]} if ready else {})):
+                if fail:
+                    raise RuntimeError("model failed")
+        except RuntimeError:
+            assert len(self.rt.scheduler.prefix_cache.by_block) == cached  # a failed prefill publishes nothing
+
+    @precondition(lambda self: self.prompts)
+    @rule(pick=st.integers(0, 100), abort=st.booleans())
+    def end(self, pick, abort):
+        rid = sorted(self.prompts)[pick % len(self.prompts)]
+        (self.rt.abort if abort else self.rt.release)(rid)
+        del self.prompts[rid]
+
+    @invariant()
+    def refcounts_are_holds(self):
+        sched = self.rt.scheduler
+        cache, alloc = sched.prefix_cache, sched.allocator
+        holds: dict[int, int] = {}
+        for owner in sched.owners.values():
+            for row in owner.rows:
+                for blk in row:
+                    holds[blk] = holds.get(blk, 0) + 1
+        for blk in range(alloc.num_blocks):
+            assert alloc.refcount(blk) == holds.get(blk, 0) + cache.index_refs(blk), blk
+        assert set(cache.idle) == {b for b in cache.by_block if holds.get(b, 0) == 0}
+        assert all(c.holders == holds.get(b, 0) for b, c in cache.by_block.items())
+        assert alloc.num_free + len(holds.keys() | cache.by_block.keys()) == alloc.num_blocks
+
+
+TestPrefixCacheLifecycles = PrefixCacheLifecycles.TestCase
