@@ -90,8 +90,8 @@ class PrefixHold:
 def _keys_bytes(prompt_keys: Sequence[Any]) -> bytes:
     if isinstance(prompt_keys, (str, bytes)):
         raise ConfigError(
-            f"prompt_keys is a list of keys (e.g. [model id, adapter id, image digest]), got the single {prompt_keys!r}: "
-            "wrap it in a list")
+            f"prompt_keys is a list of keys (e.g. [model id, adapter id, image digest]), got the single "
+            f"{prompt_keys!r}: wrap it in a list")
     parts = []
     for i, key in enumerate(prompt_keys):
         if isinstance(key, str):
