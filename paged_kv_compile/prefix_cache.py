@@ -259,14 +259,6 @@ class PrefixCache:
             if c.holders == 0:
                 self.idle[c.block] = None
 
-    def drop_history(self, owner_id: str) -> None:
-        """A reset freed `owner_id`'s blocks: it holds no cached block any more (and publishes nothing later)."""
-        hold = self.holds.get(owner_id)
-        if hold is None:
-            return
-        self.release(owner_id)
-        self.holds[owner_id] = PrefixHold(hold.chains, hold.salt, hold.keys, [], 0, True)
-
     # ---- multi-rank restore and introspection ---------------------------------------------------------
     def save(self) -> tuple:
         """Everything a lifecycle call may change, for `restore` (distributed/snapshot.py): small, by reference."""

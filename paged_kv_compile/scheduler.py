@@ -325,16 +325,17 @@ class Scheduler:
         reserved = max(sum(own), fam.reserve(spec, len(counts), self))
         revived = len({c.block for row in shared for c in row if c.block in cache.idle})  # idle now, held after
         self._check_reserved(f"admitting {owner_id!r}", reserved + revived, None)
+        free = self.allocator.num_free + cache.idle_count - revived
+        if sum(own) > free:  # refused before the shared blocks are pinned: nothing changes, the LRU order included
+            raise CapacityError(
+                f"needs {sum(own)} free blocks per layer beside the {k} cached prompt blocks per row it shares, {free} "
+                "are free (idle cached blocks included); retry after other requests finish, or raise the pool budget")
         cache.hold(owner_id, chains, salt, keys, shared, self.allocator)  # pinned first: never evicted for `own`
         try:
             taken = self.allocate_rows(own)
-        except BaseException:
+        except BaseException:  # not expected after the check above; give the shares back
             self.free([c.block for row in shared for c in row])
-            cache.holds.pop(owner_id)
-            for c in (c for row in shared for c in row):
-                c.holders -= 1
-                if c.holders == 0:
-                    cache.idle[c.block] = None
+            cache.release(owner_id)
             raise
         rows = [[c.block for c in sh] + t for sh, t in zip(shared, taken)]
         self.owners[owner_id] = Owner(owner_id, fam, spec, rows, state=fam.new_state(spec, len(rows)),
@@ -382,7 +383,6 @@ class Scheduler:
                 "them all again) is refused; release it and admit it again")
         for row in owner.rows:
             self.free(row)
-        self.prefix_cache.drop_history(owner_id)
         owner.rows = [[] for _ in owner.rows]
         owner.version += 1
         self.sharing.discard(owner_id)

@@ -258,6 +258,19 @@ def test_prefix_cache_admission_refused_when_even_idle_blocks_do_not_fit_changes
     assert rt.state() == before
 
 
+def test_prefix_cache_a_refused_admission_that_would_share_idle_blocks_leaves_their_lru_order():
+    rt = _runtime(requests=1)  # 6 blocks
+    a = _request(4, seed=3)
+    _admit(rt, "a", a)
+    _prefill(rt, "a", a)
+    rt.release("a")  # 5 idle cached blocks, 1 free
+    _admit(rt, "d", _ids(4, seed=30))  # one row, one block: takes the free one
+    before = rt.state()
+    with pytest.raises(CapacityError):
+        _admit(rt, "b", _request(4, seed=4))  # would share 2 + 2 idle blocks and needs 2 more: 1 is left
+    assert rt.state() == before and list(rt.scheduler.prefix_cache.idle) == before["prefix_cache"]["idle"]
+
+
 def test_prefix_cache_shared_blocks_are_reserved_once():
     """A pool for 2 full requests holds 3 that share their system prompt and negative prompt."""
     rt = _runtime(requests=2)  # 12 blocks
