@@ -18,7 +18,8 @@ from paged_kv_compile.config import Bucket
 from paged_kv_compile.driver import PagedHooks
 from paged_kv_compile.errors import CapacityError, ConfigError, RequestError
 from paged_kv_compile.families.dreamzero import DreamZeroSpec
-from paged_kv_compile.families.hunyuan_image3 import hunyuan_layer_inputs, hunyuan_runtime_config, hunyuan_spec
+from paged_kv_compile.families.hunyuan_image3 import (hunyuan_buckets, hunyuan_layer_inputs, hunyuan_runtime_config,
+                                                      hunyuan_spec)
 from paged_kv_compile.models.dreamzero import DreamZeroConfig
 from paged_kv_compile.models.hooks import DenseHooks, drive
 from paged_kv_compile.models.hunyuan_image3 import (HunyuanImage3Config, HunyuanImage3Model, hunyuan_generate,
@@ -347,7 +348,8 @@ def test_prefix_cache_bad_admissions_are_refused_and_change_nothing():
 
 T_LEN = CFG.target_len
 #: prefill (P + T), a suffix over a cached 8-token prefix (P + T - 8 tokens over a context of 8), step (T)
-BUCKETS = (Bucket(2, P + T_LEN, P), Bucket(2, P + T_LEN - 8, 8), Bucket(2, T_LEN, P))
+BUCKETS = hunyuan_buckets(CFG, [P], rows=(2,), cached_prefixes=[8])
+assert set(BUCKETS) == {Bucket(2, P + T_LEN, P), Bucket(2, P + T_LEN - 8, 8), Bucket(2, T_LEN, P)}
 
 
 def _compiled(buckets=BUCKETS):

@@ -85,12 +85,15 @@ class HunyuanSpec:
         return torch.stack(masks)[:, None]
 
 
-def hunyuan_buckets(model_cfg, prefix_capacities: Sequence[int], rows: Sequence[int] = (1, 2)) -> tuple[Bucket, ...]:
-    """A prefill bucket (P + T tokens) and a step bucket (T tokens) per capacity and row count."""
+def hunyuan_buckets(model_cfg, prefix_capacities: Sequence[int], rows: Sequence[int] = (1, 2),
+                    cached_prefixes: Sequence[int] = ()) -> tuple[Bucket, ...]:
+    """A prefill bucket (P + T tokens) and a step bucket (T tokens) per capacity and row count; per cached prefix
+    length C < P (a multiple of the block size: what the prefix cache serves), the bucket of a prefill's suffix
+    (P + T - C tokens over a context of C, `hunyuan_steps(..., suffix_from=C)`)."""
     T = model_cfg.target_len
     return tuple(
         Bucket(r, t, p) for p in prefix_capacities for r in rows for t in (p + T, T)
-    )
+    ) + tuple(Bucket(r, p + T - c, c) for p in prefix_capacities for r in rows for c in cached_prefixes if 0 < c < p)
 
 
 def hunyuan_runtime_config(model_cfg, *, max_prefix: int, block_size: int = 16, requests: int = 1, rows: int = 2,
