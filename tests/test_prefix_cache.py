@@ -376,6 +376,11 @@ def _dense(prompts, num_steps=3):
     return hunyuan_generate(HunyuanImage3Model(CFG, seed=2), prompts, prefix_capacity=P, num_steps=num_steps, seed=5)
 
 
+def test_prefix_cache_a_suffix_bucket_of_a_prefills_shape_is_refused():
+    with pytest.raises(ConfigError, match="C = P / 2"):
+        hunyuan_buckets(CFG, [16], cached_prefixes=[8])
+
+
 def test_prefix_cache_cached_request_matches_the_full_dense_request_compiled():
     a, b = _request(3, seed=3), _request(4, seed=4)
     model, rt, backend = _compiled()

@@ -89,8 +89,13 @@ def hunyuan_buckets(model_cfg, prefix_capacities: Sequence[int], rows: Sequence[
                     cached_prefixes: Sequence[int] = ()) -> tuple[Bucket, ...]:
     """A prefill bucket (P + T tokens) and a step bucket (T tokens) per capacity and row count; per cached prefix
     length C < P (a multiple of the block size: what the prefix cache serves), the bucket of a prefill's suffix
-    (P + T - C tokens over a context of C, `hunyuan_steps(..., suffix_from=C)`)."""
+    (P + T - C tokens over a context of C, `hunyuan_steps(..., suffix_from=C)`). C = P / 2 is refused: that suffix
+    has the shape of a prefill of capacity C (C + T tokens over C), and warm-up could compile only one of the two."""
     T = model_cfg.target_len
+    clash = sorted({(p, c) for p in prefix_capacities for c in cached_prefixes if 2 * c == p})
+    if clash:
+        raise ConfigError(f"cached prefix C = P / 2 (capacity, cached: {clash}) gives a suffix bucket of a prefill's "
+                          "shape (C + T tokens over C): choose another cached prefix length")
     return tuple(
         Bucket(r, t, p) for p in prefix_capacities for r in rows for t in (p + T, T)
     ) + tuple(Bucket(r, p + T - c, c) for p in prefix_capacities for r in rows for c in cached_prefixes if 0 < c < p)
