@@ -49,9 +49,9 @@ def _request(tail: int, seed: int, system: torch.Tensor = SYSTEM) -> list[torch.
     return [torch.cat([system, _ids(tail, seed=seed)[0]]), NEGATIVE]
 
 
-def _runtime(requests: int = 2, **overrides) -> PagedKVRuntime:
+def _runtime(requests: int = 2, allocator: str = "builtin", **overrides) -> PagedKVRuntime:
     return PagedKVRuntime(hunyuan_runtime_config(CFG, max_prefix=P, block_size=B, kernel="reference",
-                                                 requests=requests, **overrides))
+                                                 requests=requests, **overrides), allocator=allocator)
 
 
 def _admit(rt: PagedKVRuntime, rid: str, prompts, **kw) -> None:
@@ -246,6 +246,25 @@ def test_prefix_cache_idle_blocks_count_as_free_and_are_evicted_least_recently_u
     assert order == [4, 3, 2, 1, 0] and rows_a  # row 1's blocks (3, 4) then row 0's (0, 1, 2), tails first
     rt2.scheduler.prefix_cache.evict(1, rt2.scheduler.allocator)
     assert list(rt2.scheduler.prefix_cache.idle) == [3, 2, 1, 0]
+
+
+@pytest.mark.vllm
+def test_prefix_cache_over_vllms_block_pool_shares_publishes_and_evicts():
+    """The same lifecycle when vLLM's BlockPool owns the blocks (the allocator contract: share, free, refcounts)."""
+    pytest.importorskip("vllm.v1.core.block_pool", reason="vLLM's BlockPool is not importable here")
+    rt = _runtime(requests=1, allocator="vllm")
+    first, second = _request(4, seed=3), _request(4, seed=4)
+    _admit(rt, "a", first)
+    _prefill(rt, "a", first)
+    rt.release("a")
+    alloc, cache = rt.scheduler.allocator, rt.scheduler.prefix_cache
+    assert cache.idle_count == 5 and alloc.num_free == 1
+    _admit(rt, "b", second)  # shares 2 + 2 cached blocks, needs 2 of its own: evicts 1 idle block
+    assert rt.owner("b").prefix_ready == (8, 8)
+    assert all(alloc.refcount(blk) == 2 for row in rt.owner("b").rows for blk in row[:2])
+    assert alloc.num_free == 0 and cache.idle_count == 0
+    rt.release("b")
+    assert alloc.num_free + cache.idle_count == rt.pool.blocks_per_layer
 
 
 def test_prefix_cache_admission_refused_when_even_idle_blocks_do_not_fit_changes_nothing():
