@@ -154,15 +154,16 @@ class RankRuntime:
         """What every rank must share: the call counter, owners in LRU order with family, rows, version, phases and
         admission serial."""
         sched = self.runtime.scheduler
-        owners = tuple((o.owner_id, o.family.name, o.num_rows, o.version, tuple(sorted(o.phases_done)), o.serial,
-                        o.prefix_ready) for o in sched.owners.values())
+        owners = tuple((o.owner_id, o.family.name, o.num_rows, o.version, tuple(sorted(o.phases_done)), o.serial)
+                       for o in sched.owners.values())
         return digest(self.calls, owners, sched.in_flight is not None)
 
     def _tables(self) -> int:
         """What the ranks of one symmetric group must share between calls: every owner's block ids and block
         reservations, free blocks, regions (reservations are block counts: CFG ranks' rows may differ)."""
         sched = self.runtime.scheduler
-        tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget]
+        # prefix_ready: what a CFG rank's own rows found cached (branches' prompts differ, so it is compared here)
+        tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget, *o.prefix_ready]
                              + [b for row in o.rows for b in (len(row), *row)], dtype=np.int64).tobytes()
                   for o in sched.owners.values()]
         # regions by blocks and holders, not by registry key: a rank keys a region by the bytes IT stores, and a TP

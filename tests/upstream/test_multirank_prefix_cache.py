@@ -101,6 +101,34 @@ def divergent_decision_task() -> dict:
     return {"outcome": outcome, "unchanged": rt.runtime.state() == before}
 
 
+def cfg_parallel_task() -> dict:
+    """CFG-parallel 2: each rank holds its own branch's row (the conditional prompt, the negative prompt), so each
+    finds its own cached blocks; later calls must not see a divergence."""
+    parallel = ParallelConfig(cfg_parallel=2, cfg_rank=dist.get_rank())
+    cfg = parallel.rank_config(hunyuan_runtime_config(CFG, max_prefix=P, block_size=B, requests=2, kernel="reference",
+                                                      dtype=torch.float32))
+    rt = RankRuntime(PagedKVRuntime(cfg), parallel, group=dist.group.WORLD, digest_every=1)
+    negative = torch.randint(0, CFG.vocab, (12,), generator=torch.Generator().manual_seed(5))  # 3 full blocks
+    out = {}
+    for rid, tail in (("a", 3), ("b", 4)):
+        prompts = [[_prompts(tail)[0], negative][dist.get_rank()]]  # this rank's branch
+        rt.admit(rid, hunyuan_spec(CFG, prompts), prompt_tokens=prompts)
+        out[rid] = rt.runtime.owner(rid).prefix_ready
+        spec, ready = hunyuan_spec(CFG, prompts), rt.runtime.owner(rid).prefix_ready
+        with rt.forward(rid, "prefill", prefix_capacity=P, attention_mask=spec.padded_mask(P),
+                        **({"suffix_from": ready[0]} if ready else {})):
+            pass
+        rt.release(rid)
+    return out
+
+
+def test_multirank_prefix_cache_cfg_parallel_ranks_find_their_own_branches_cached(gloo_ranks):
+    outs = gloo_ranks.run(cfg_parallel_task, timeout=TIMEOUT_S)
+    # rank 0: [system 8 | own 3] shares the system prompt's 2 blocks; rank 1 its whole 12-token negative prompt (3
+    # blocks: its suffix is the target alone). The ranks decide differently, each for its own branch, and agree.
+    assert outs == [{"a": (), "b": (8,)}, {"a": (), "b": (12,)}]
+
+
 def test_multirank_prefix_cache_each_rank_caches_its_own_heads_in_the_same_blocks(gloo_ranks):
     outs = gloo_ranks.run(shared_heads_task, timeout=TIMEOUT_S)
     assert [o["ready"] for o in outs] == [(8, 8)] * 2
