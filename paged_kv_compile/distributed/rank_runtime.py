@@ -163,7 +163,8 @@ class RankRuntime:
         reservations, free blocks, regions (reservations are block counts: CFG ranks' rows may differ)."""
         sched = self.runtime.scheduler
         # prefix_ready: what a CFG rank's own rows found cached (branches' prompts differ, so it is compared here)
-        tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget, *o.prefix_ready]
+        tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget,
+                              len(o.prefix_ready), *o.prefix_ready]
                              + [b for row in o.rows for b in (len(row), *row)], dtype=np.int64).tobytes()
                   for o in sched.owners.values()]
         # regions by blocks and holders, not by registry key: a rank keys a region by the bytes IT stores, and a TP
