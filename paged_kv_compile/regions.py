@@ -100,23 +100,24 @@ def _key_bytes(key: Any, row: int) -> bytes:
     )
 
 
-def region_digest(cache_salt: Any, stored: torch.Tensor, content_key: bytes | None = None) -> bytes:
-    """blake2b-256 of the salt, the stored geometry and dtype, and `content_key` or else the stored bytes."""
-    h = hashlib.blake2b(digest_size=32, person=_PERSON)
-
-    def part(b: bytes) -> None:
+def keyed_digest(person: bytes, parts: Sequence[bytes]) -> bytes:
+    """blake2b-256 (personalized by `person`) of the parts, each length-prefixed so that no two part lists collide
+    by concatenation: the one hashing scheme of shared K/V (regions here, prompt blocks in `prefix_cache.py`)."""
+    h = hashlib.blake2b(digest_size=32, person=person)
+    for b in parts:
         h.update(len(b).to_bytes(8, "little"))
         h.update(b)
-
-    part(_salt_bytes(cache_salt))
-    part(repr((tuple(stored.shape), str(stored.dtype))).encode())
-    if content_key is not None:
-        part(b"key")
-        part(content_key)
-    else:
-        part(b"kv")
-        part(stored.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.digest()
+
+
+def region_digest(cache_salt: Any, stored: torch.Tensor, content_key: bytes | None = None) -> bytes:
+    """blake2b-256 of the salt, the stored geometry and dtype, and `content_key` or else the stored bytes."""
+    parts = [_salt_bytes(cache_salt), repr((tuple(stored.shape), str(stored.dtype))).encode()]
+    if content_key is not None:
+        parts += [b"key", content_key]
+    else:
+        parts += [b"kv", stored.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()]
+    return keyed_digest(_PERSON, parts)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

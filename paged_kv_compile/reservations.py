@@ -16,20 +16,25 @@ from .errors import CapacityError
 if TYPE_CHECKING:
     from .allocator import BlockAllocator
     from .families.base import Owner
+    from .prefix_cache import PrefixCache
     from .regions import SharedRegions
 
 
 class Reservations:
     """The reservation arithmetic over one scheduler's allocator, owners and shared regions (as they are now)."""
 
-    def __init__(self, allocator: BlockAllocator, owners: Mapping[str, Owner], regions: SharedRegions) -> None:
+    def __init__(self, allocator: BlockAllocator, owners: Mapping[str, Owner], regions: SharedRegions,
+                 prefix: PrefixCache | None = None) -> None:
         self.allocator = allocator
         self.owners = owners
         self.regions = regions
+        self.prefix = prefix
 
     def held(self) -> int:
-        """Managed blocks per layer held now (by owners' rows and by shared regions)."""
-        return self.allocator.num_blocks - self.allocator.num_free
+        """Managed blocks per layer held now (by owners' rows and by shared regions); an idle cached prompt block
+        (`prefix_cache.py`: no owner holds it) counts as free, an allocation evicts it when it needs the room."""
+        idle = self.prefix.idle_count if self.prefix is not None else 0
+        return self.allocator.num_blocks - self.allocator.num_free - idle
 
     def alone_held(self, owner: Owner, *, with_regions: bool = False) -> int:
         """Managed blocks of `owner`'s rows (and, `with_regions`, of its regions) that no other holder shares: those
@@ -41,7 +46,9 @@ class Reservations:
         for blocks in lists:
             for b in blocks:
                 mine[b] = mine.get(b, 0) + 1
-        return sum(1 for b, n in mine.items() if self.allocator.refcount(b) == n)
+        index = self.prefix.index_refs if self.prefix is not None else (lambda b: 0)
+        # the prefix cache's own reference is no holder: a block it caches that only `owner` holds turns idle (free)
+        return sum(1 for b, n in mine.items() if self.allocator.refcount(b) - index(b) == n)
 
     def freed_by(self, owner: Owner) -> int:
         """How many blocks releasing `owner` would free: those it alone holds (rows and regions)."""
@@ -64,7 +71,9 @@ class Reservations:
         owners = [o for o in self.owners.values() if o is not without]
         ending = self.regions.ending_with(without.owner_id) if without is not None else set()
         freed = {b for r in self.regions.of(without.owner_id) if id(r) in ending for b in r.blocks} if ending else ()
-        reservations = sum(o.reserved for o in owners) + len(self.regions.blocks) - len(freed) + new[0]
+        # cached prompt blocks an owner holds are counted once, for the cache (a sharer reserves only its own blocks)
+        pinned = self.prefix.pinned_count if self.prefix is not None else 0
+        reservations = sum(o.reserved for o in owners) + len(self.regions.blocks) - len(freed) + pinned + new[0]
         used = self.held() - (self.freed_by(without) if without else 0)
         growth = sum(o.take_budget if o.take_budget is not None else
                      max(o.reserved - (0 if o is shared else self.alone_held(o)), 0) for o in owners) + new[1]

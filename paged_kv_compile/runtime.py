@@ -254,7 +254,8 @@ class PagedKVRuntime:
     # ---- lifecycle ----------------------------------------------------------------------------
     def admit(self, owner_id: str, spec: Any, rows: int | None = None, *,
               cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
-              content_keys: Sequence[str | bytes] | None = None) -> None:
+              content_keys: Sequence[str | bytes] | None = None, prompt_tokens: Sequence[Any] | None = None,
+              prompt_keys: Sequence[str | bytes] = ()) -> None:
         """Admit a session/request of `spec`'s family (rows: CFG rows; default: what the family says), all rows
         or none.
 
@@ -263,9 +264,15 @@ class PagedKVRuntime:
         `cache_salt` (tenant/user id) with the same content share its blocks by reference count; content is
         keyed by `content_keys` (one per row, e.g. a hash of the prompt's token ids) or by the K/V bytes, and
         confirmed byte for byte before anything is shared (`regions.py`).
+
+        prompt_tokens: per row the prompt's token ids (a family whose `cacheable_prefix` names its prompt): its leading
+        full prompt blocks are shared with earlier requests of the same `cache_salt` and `prompt_keys` (what else
+        determines the prompt's K/V: model, adapter, image identity, generator state, grid) whose prefill succeeded,
+        confirmed token for token (`prefix_cache.py`); `owner(owner_id).prefix_ready` then says how many tokens its
+        prefill skips.
         """
         self.scheduler.admit(owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt,
-                             content_keys=content_keys)
+                             content_keys=content_keys, prompt_tokens=prompt_tokens, prompt_keys=prompt_keys)
 
     def reset(self, owner_id: str) -> None:
         """Drop an owner's history (e.g. a window reset): its blocks return to the pool, its shared
@@ -316,6 +323,7 @@ class PagedKVRuntime:
             "finished": dict(self.scheduler.finished),
             "versions": {oid: o.version for oid, o in self.scheduler.owners.items()},
             "regions": self.scheduler.regions.snapshot(),
+            "prefix_cache": self.scheduler.prefix_cache.snapshot(),
             "in_flight": self.scheduler.in_flight is not None,
             "active": self.active is not None,
         }

@@ -23,6 +23,7 @@ from .errors import CapacityError, ConfigError, RequestError
 from .families.base import ForwardPlan, Owner
 from .layout import RowLayout
 from .pool import KVPool
+from .prefix_cache import PrefixCache, check_prompt_admission
 from .regions import Region, SharedRegions
 from .reservations import Reservations
 
@@ -98,6 +99,8 @@ class Scheduler:
         self.sharing: set[str] = set()
         #: shared write-once regions (cross-attention K/V) and who holds them (`regions.py`)
         self.regions = SharedRegions()
+        #: prompt blocks shared across requests by a hash chain, and who holds which (`prefix_cache.py`)
+        self.prefix_cache = PrefixCache()
         self._serials = itertools.count()  # Owner.serial: one per admission or fork, never reused
 
     # ---- the BlockSource the families use -----------------------------------------------------
@@ -121,11 +124,15 @@ class Scheduler:
                 f"needs {need} blocks per layer (rows need {counts}) but the whole pool has "
                 f"{self.allocator.num_blocks}: it can never fit; raise the pool budget or shorten the request"
             )
-        if need > self.allocator.num_free:
+        if need > self.allocator.num_free + self.prefix_cache.idle_count:
             raise CapacityError(
-                f"needs {need} free blocks per layer, {self.allocator.num_free} are free; retry after other "
-                "requests finish, close idle sessions, or raise the pool budget"
+                f"needs {need} free blocks per layer, {self.allocator.num_free} are free"
+                + (f" (and {self.prefix_cache.idle_count} idle cached prompt blocks)" if self.prefix_cache.idle_count
+                   else "")
+                + "; retry after other requests finish, close idle sessions, or raise the pool budget"
             )
+        if need > self.allocator.num_free:  # idle cached prompt blocks count as free: evict the least recently used
+            self.prefix_cache.evict(need - self.allocator.num_free, self.allocator)
         ids = self.allocator.allocate(need) if need else []
         starts = [sum(counts[:i]) for i in range(len(counts))]
         return [ids[s : s + c] for s, c in zip(starts, counts)]
@@ -196,11 +203,12 @@ class Scheduler:
     @property
     def reservations(self) -> Reservations:
         """The admission arithmetic over the live allocator, owners and regions (`reservations.py`)."""
-        return Reservations(self.allocator, self.owners, self.regions)
+        return Reservations(self.allocator, self.owners, self.regions, self.prefix_cache)
 
     def held_blocks(self) -> int:
-        """Managed blocks per layer held now: an FP8 pool refuses new scales while any is (`KVPool.set_scales`)."""
-        return self.reservations.held()
+        """Managed blocks per layer holding K/V now, idle cached prompt blocks included (they were quantized with the
+        current scales): an FP8 pool refuses new scales while any is (`KVPool.set_scales`)."""
+        return self.allocator.num_blocks - self.allocator.num_free
 
     def _check_reserved(self, what: str, need: int, victim: Owner | None, *, shared: Owner | None = None,
                         budget: int | None = None) -> None:
@@ -212,6 +220,7 @@ class Scheduler:
             self.free(row)
         owner.rows = [[] for _ in owner.rows]
         self.regions.release(owner.owner_id, self.free)
+        self.prefix_cache.release(owner.owner_id)
         del self.owners[owner.owner_id]
         self.sharing.discard(owner.owner_id)
         self.finished[owner.owner_id] = why
@@ -234,7 +243,8 @@ class Scheduler:
     # ---- lifecycle ------------------------------------------------------------------------------
     def admit(self, owner_id: str, spec: Any, rows: int | None = None, *,
               cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
-              content_keys: Sequence[str | bytes] | None = None) -> None:
+              content_keys: Sequence[str | bytes] | None = None, prompt_tokens: Sequence[Any] | None = None,
+              prompt_keys: Sequence[str | bytes] = ()) -> None:
         """Admit a session/request of `spec`'s family with `rows` rows (default: what the spec says).
 
         All rows or none; past `max_sessions` live owners of an LRU-evicting family, the least recently
@@ -246,16 +256,30 @@ class Scheduler:
         given, else the bytes; the bytes are always compared before sharing) is shared by reference count, else the
         row's K/V is written once into blocks of its own. The regions and the rows' blocks are taken in one atomic
         allocation.
+
+        `prompt_tokens` (per row, the prompt's token ids; with `cache_salt` and `prompt_keys`, what else determines
+        their K/V) shares the request's leading full prompt blocks with earlier requests by a hash chain
+        (`prefix_cache.py`, `_admit_prompt`); its own full prompt blocks are published once its prefill succeeded.
         """
         self._check_idle()
         fam = families.for_spec(spec)
         self._check_new_id(owner_id)
         rows = fam.rows(spec, rows)
         self._check_rows(rows)
+        lens = check_prompt_admission(fam, spec, rows, cross_kv) if prompt_tokens is not None else None
         counts = fam.admission_blocks(spec, rows, self)
         reserved = max(sum(counts), fam.reserve(spec, rows, self))  # what the owner may hold up to its reset
+        if lens is not None:
+            if content_keys is not None:
+                raise ConfigError("content_keys key a shared region (cross_kv); a cached prompt is keyed by "
+                                  "prompt_tokens, cache_salt and prompt_keys")
+            self._admit_prompt(owner_id, fam, spec, counts, lens, prompt_tokens, cache_salt, prompt_keys)
+            return
+        if prompt_keys:
+            raise ConfigError("prompt_keys key a cached prompt prefix: pass them with prompt_tokens")
         if cross_kv is None and (cache_salt is not None or content_keys is not None):
-            raise ConfigError("cache_salt and content_keys key a shared region: pass them with cross_kv")
+            raise ConfigError("cache_salt and content_keys key a shared region: pass them with cross_kv (or "
+                              "cache_salt with prompt_tokens)")
         requests = None if cross_kv is None else self.regions.requests(self.pool, cross_kv, rows, cache_salt,
                                                                        content_keys)
         victim = self._lru_victim(fam)
@@ -268,6 +292,56 @@ class Scheduler:
             taken = self._admit_regions(owner_id, counts, reserved, requests, victim)
         self.owners[owner_id] = Owner(owner_id, fam, spec, taken, state=fam.new_state(spec, rows),
                                       serial=next(self._serials), reserved=reserved)
+
+    def prompt_sharing(self, spec: Any, rows: int | None, prompt_tokens: Sequence[Any], cache_salt: Any = None,
+                       prompt_keys: Sequence[Any] = ()) -> tuple[tuple[int, ...], ...]:
+        """Per row, the cached blocks an admission with these prompt tokens would share now; changes nothing (a
+        multi-rank runtime votes on it before admitting, `distributed/rank_runtime.py`)."""
+        fam = families.for_spec(spec)
+        rows = fam.rows(spec, rows)
+        lens = check_prompt_admission(fam, spec, rows, None)
+        found = self._prompt_matches(lens, prompt_tokens, cache_salt, prompt_keys)[0]
+        return tuple(tuple(c.block for c in row) for row in found)
+
+    def _prompt_matches(self, lens: list[int], prompt_tokens: Sequence[Any], cache_salt: Any,
+                        prompt_keys: Sequence[Any]) -> tuple:
+        """(per row the cached blocks to share, chains, salt, keys): the same number in every row (the fewest any row
+        found confirmed)."""
+        cache = self.prefix_cache
+        chains, salt, keys = cache.chains(prompt_tokens, lens, self.block_size, cache_salt, prompt_keys)
+        found = [cache.match(chain, salt, keys) for chain in chains]
+        k = min(len(f) for f in found)
+        return [f[:k] for f in found], chains, salt, keys
+
+    def _admit_prompt(self, owner_id: str, fam, spec: Any, counts: list[int], lens: list[int],
+                      prompt_tokens: Sequence[Any], cache_salt: Any, prompt_keys: Sequence[Any]) -> None:
+        """Admission with a cached prompt prefix: every row shares the same number of leading cached blocks (the
+        fewest any row found confirmed: the model runs one suffix for all rows), the rest taken fresh. The owner
+        reserves only what it takes: a shared block is counted once, for the cache (`Reservations`)."""
+        cache = self.prefix_cache
+        shared, chains, salt, keys = self._prompt_matches(lens, prompt_tokens, cache_salt, prompt_keys)
+        k = len(shared[0])
+        own = [c - k for c in counts]
+        reserved = max(sum(own), fam.reserve(spec, len(counts), self))
+        revived = len({c.block for row in shared for c in row if c.block in cache.idle})  # idle now, held after
+        self._check_reserved(f"admitting {owner_id!r}", reserved + revived, None)
+        free = self.allocator.num_free + cache.idle_count - revived
+        if sum(own) > free:  # refused before the shared blocks are pinned: nothing changes, the LRU order included
+            raise CapacityError(
+                f"needs {sum(own)} free blocks per layer beside the {k} cached prompt blocks per row it shares, {free} "
+                "are free (idle cached blocks included); retry after other requests finish, or raise the pool budget")
+        cache.hold(owner_id, chains, salt, keys, shared, self.allocator)  # pinned first: never evicted for `own`
+        try:
+            taken = self.allocate_rows(own)
+        except BaseException:  # not expected after the check above; give the shares back
+            self.free([c.block for row in shared for c in row])
+            cache.release(owner_id)
+            raise
+        rows = [[c.block for c in sh] + t for sh, t in zip(shared, taken)]
+        self.owners[owner_id] = Owner(owner_id, fam, spec, rows, state=fam.new_state(spec, len(rows)),
+                                      serial=next(self._serials), reserved=reserved,
+                                      prefix_ready=tuple([k * self.block_size] * len(rows)) if k else ())
+        self.sharing.add(owner_id)
 
     def _admit_regions(self, owner_id: str, counts: list[int], reserved: int, requests, victim: Owner | None):
         """Admission with shared regions: the rows' blocks and the new regions' in one allocation, regions written
@@ -301,6 +375,12 @@ class Scheduler:
         """Free every block of an owner's history; it stays admitted (e.g. a window reset)."""
         self._check_idle()
         owner = self._get(owner_id)
+        hold = self.prefix_cache.holds.get(owner_id)
+        if owner.prefix_ready or (hold is not None and hold.held):
+            raise RequestError(
+                f"{owner.owner_id!r} holds prompt blocks of the prefix cache (shared with other requests, or published "
+                "for them): its reservation counts only the blocks no one shares, so a reset (whose next prefill takes "
+                "them all again) is refused; release it and admit it again")
         for row in owner.rows:
             self.free(row)
         owner.rows = [[] for _ in owner.rows]
@@ -332,10 +412,11 @@ class Scheduler:
             self._release(victim, "evicted (LRU cap on live sessions)")
         self.allocator.share(shared)
         self.regions.fork(parent_id, child_id, self.allocator)
+        self.prefix_cache.fork(parent_id, child_id)
         self.sharing.update((parent_id, child_id))
         self.owners[child_id] = Owner(child_id, parent.family, parent.spec, [list(r) for r in parent.rows],
                                       phases_done=set(parent.phases_done), state=state, serial=next(self._serials),
-                                      reserved=parent.reserved, take_budget=budget)
+                                      reserved=parent.reserved, take_budget=budget, prefix_ready=parent.prefix_ready)
 
     def release(self, owner_id: str) -> None:
         """End a session/request normally; all its blocks are freed."""
@@ -476,6 +557,10 @@ class Scheduler:
             owner = self.owners[part.owner_id]
             owner.family.finish(owner, part, self)
             owner.phases_done.add(part.kind)
+            if part.keeps_kv and owner.owner_id in self.prefix_cache.holds:  # its prompt K/V exist now: publish
+                published = self.prefix_cache.publish(owner.owner_id, owner.rows, self.allocator)
+                owner.reserved = max(owner.reserved - published, 0)  # the cache reserves them now (`pinned_count`)
+                self.sharing.add(owner.owner_id)  # its published blocks are shared: its plans are write-checked
             if owner.take_budget is not None:
                 owner.take_budget -= sum(len(new) for new in part.new_blocks)
         self.in_flight = None

@@ -162,13 +162,16 @@ class RankRuntime:
         """What the ranks of one symmetric group must share between calls: every owner's block ids and block
         reservations, free blocks, regions (reservations are block counts: CFG ranks' rows may differ)."""
         sched = self.runtime.scheduler
-        tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget]
+        # prefix_ready: what a CFG rank's own rows found cached (branches' prompts differ, so it is compared here)
+        tables = [np.asarray([len(o.rows), o.reserved, -1 if o.take_budget is None else o.take_budget,
+                              len(o.prefix_ready), *o.prefix_ready]
                              + [b for row in o.rows for b in (len(row), *row)], dtype=np.int64).tobytes()
                   for o in sched.owners.values()]
         # regions by blocks and holders, not by registry key: a rank keys a region by the bytes IT stores, and a TP
         # rank stores its own heads (keys differ between TP ranks that hold the same blocks)
         regions = {oid: [(tuple(r.blocks), r.tokens, r.holders) for r in regs] for oid, regs in sched.regions.held.items()}
-        return digest(sched.allocator.num_free, b"".join(tables), regions)
+        # cached prompt blocks are keyed by token ids and the caller's keys (equal on every rank), not by K/V bytes
+        return digest(sched.allocator.num_free, b"".join(tables), regions, sched.prefix_cache.snapshot())
 
     def _ballot(self, call: tuple, args: Any) -> Ballot:
         """The call's arguments (canonical: by value) and the block tables, compared within the symmetric group (a
@@ -236,17 +239,27 @@ class RankRuntime:
 
     def admit(self, owner_id: str, spec: Any, rows: int | None = None, *,
               cross_kv: Sequence[torch.Tensor] | None = None, cache_salt: str | bytes | None = None,
-              content_keys: Sequence[str | bytes] | None = None) -> None:
+              content_keys: Sequence[str | bytes] | None = None, prompt_tokens: Sequence[Any] | None = None,
+              prompt_keys: Sequence[str | bytes] = ()) -> None:
         """`PagedKVRuntime.admit` on every rank or none. Under CFG-parallel each rank admits its own rows (its
-        branch's spec and `rows`): the ranks agree on the decision, not on block counts."""
+        branch's spec and `rows`): the ranks agree on the decision, not on block counts. With `prompt_tokens`, the
+        cached blocks each rank would share (`Scheduler.prompt_sharing`) are part of the vote: the ranks of a
+        symmetric group share the same prompt blocks or none admits."""
         # cross_kv by shape only: a TP rank holds its own heads' K/V (content differs between the ranks)
         shapes = None if cross_kv is None else [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor)
                                                 else type(t).__name__ for t in cross_kv]
         args = {"rows": rows, "spec": spec, "cross_kv": shapes, "cache_salt": cache_salt,
                 "content_keys": content_keys}
+        if prompt_tokens is not None:
+            try:  # a bad argument is refused by the admission itself, on this rank, and voted on
+                sharing = self.runtime.scheduler.prompt_sharing(spec, rows, prompt_tokens, cache_salt, prompt_keys)
+            except PagedKVError:
+                sharing = None
+            args.update(prompt_tokens=prompt_tokens, prompt_keys=prompt_keys, prompt_sharing=sharing)
         protect = self._blocks_an_admission_may_overwrite(spec) if cross_kv is not None else []
         self._lifecycle("admit", owner_id, args, lambda: self.runtime.admit(
-            owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt, content_keys=content_keys), protect)
+            owner_id, spec, rows, cross_kv=cross_kv, cache_salt=cache_salt, content_keys=content_keys,
+            prompt_tokens=prompt_tokens, prompt_keys=prompt_keys), protect)
 
     def reset(self, owner_id: str) -> None:
         self._lifecycle("reset", owner_id, None, lambda: self.runtime.reset(owner_id))

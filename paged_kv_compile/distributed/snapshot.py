@@ -44,6 +44,7 @@ class LifecycleSnapshot:
         self.held = {oid: list(rs) for oid, rs in regions.held.items()}
         self.region_blocks = set(regions.blocks)
         self.holders = [(r, r.holders) for rs in regions._by_digest.values() for r in rs]
+        self.prefix_cache = sched.prefix_cache.save()
         self.index = self._absolute(protect)
         self.data = runtime.pool.tensor[:, self.index].clone() if len(self.index) else None
         pool_scales = runtime.pool.scales
@@ -90,6 +91,7 @@ class LifecycleSnapshot:
         regions.blocks.update(self.region_blocks)
         for region, holders in self.holders:
             region.holders = holders
+        sched.prefix_cache.restore(self.prefix_cache)
         if self.data is not None:
             self.runtime.pool.tensor[:, self.index] = self.data
         if self.scales is not None:

@@ -70,6 +70,10 @@ class Owner:
     #: a fork with a budget (`Family.fork_budget`, e.g. DreamZero's `commits=n`): how many more managed blocks per
     #: layer it may take; None: no budget (it holds at most `reserved`)
     take_budget: int | None = None
+    #: per row, how many leading logical tokens' K/V its blocks hold before its first forward (a prompt prefix shared
+    #: from the prefix cache, `prefix_cache.py`; pages another producer imported): that forward computes only the
+    #: rest, over them as history. (): none, the first forward computes every token
+    prefix_ready: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -216,6 +220,12 @@ class Family(abc.ABC):
     def new_state(self, spec: Any, rows: int) -> Any:
         """The record an owner of `spec` starts with (`Owner.state`): a dataclass this family defines for what it
         keeps beyond the blocks (e.g. a layout read once). Default None: it keeps nothing."""
+        return None
+
+    def cacheable_prefix(self, spec: Any) -> list[int] | None:
+        """Per row, how many leading tokens are the prompt whose K/V depends only on the tokens before them (and the
+        caller's keys): the part the prefix cache may share across owners (`prefix_cache.py`). Default None: this
+        family's owners share no prompt prefixes."""
         return None
 
     def reserve(self, spec: Any, rows: int, blocks: BlockSource) -> int:

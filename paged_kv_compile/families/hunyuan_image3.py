@@ -87,12 +87,20 @@ class HunyuanSpec:
         return torch.stack(masks)[:, None]
 
 
-def hunyuan_buckets(model_cfg, prefix_capacities: Sequence[int], rows: Sequence[int] = (1, 2)) -> tuple[Bucket, ...]:
-    """A prefill bucket (P + T tokens) and a step bucket (T tokens) per capacity and row count."""
+def hunyuan_buckets(model_cfg, prefix_capacities: Sequence[int], rows: Sequence[int] = (1, 2),
+                    cached_prefixes: Sequence[int] = ()) -> tuple[Bucket, ...]:
+    """A prefill bucket (P + T tokens) and a step bucket (T tokens) per capacity and row count; per cached prefix
+    length C < P (a multiple of the block size: what the prefix cache serves), the bucket of a prefill's suffix
+    (P + T - C tokens over a context of C, `hunyuan_steps(..., suffix_from=C)`). C = P / 2 is refused: that suffix
+    has the shape of a prefill of capacity C (C + T tokens over C), and warm-up could compile only one of the two."""
     T = model_cfg.target_len
+    clash = sorted({(p, c) for p in prefix_capacities for c in cached_prefixes if 2 * c == p})
+    if clash:
+        raise ConfigError(f"cached prefix C = P / 2 (capacity, cached: {clash}) gives a suffix bucket of a prefill's "
+                          "shape (C + T tokens over C): choose another cached prefix length")
     return tuple(
         Bucket(r, t, p) for p in prefix_capacities for r in rows for t in (p + T, T)
-    )
+    ) + tuple(Bucket(r, p + T - c, c) for p in prefix_capacities for r in rows for c in cached_prefixes if 0 < c < p)
 
 
 def hunyuan_runtime_config(model_cfg, *, max_prefix: int, block_size: int = 16, requests: int = 1, rows: int = 2,
@@ -168,6 +176,10 @@ class HunyuanImage3Family(Family):
             blocks.check_scratch(ceil_div(p + spec.target_len, B) - ceil_div(p, B))
         return [ceil_div(p, B) for p in spec.prefix_lens]
 
+    def cacheable_prefix(self, spec: HunyuanSpec) -> list[int]:
+        """Each row's prompt: causal text whose K/V depend on the tokens before them and the caller's keys."""
+        return list(spec.prefix_lens)
+
     def new_state(self, spec: HunyuanSpec, rows: int) -> HunyuanRecord:
         return HunyuanRecord()
 
@@ -200,7 +212,13 @@ class HunyuanImage3Family(Family):
         pad = int(args.get("step_padding") or 0) if kind == "step" else 0
         if pad < 0:
             raise RequestError(f"step_padding={pad} must be >= 0 (the padded tokens after the target)")
-        if kind == "prefill":
+        suffix_from = args.get("suffix_from")
+        context = prefix_capacity
+        if kind == "prefill" and (owner.prefix_ready or suffix_from is not None):
+            layouts, key_positions, taken, state, tokens = self._plan_suffix(owner, blocks, attention_mask,
+                                                                             suffix_from)
+            context = suffix_from
+        elif kind == "prefill":
             layouts, key_positions, taken, state, tokens = self._plan_prefill(owner, blocks, prefix_capacity,
                                                                               attention_mask)
         else:
@@ -208,13 +226,11 @@ class HunyuanImage3Family(Family):
                                                                            attention_mask, pad)
         # A prefill's layout comes from its mask, which no cheap key names: it is always built (once per request).
         key = (owner.serial, kind, owner.version, prefix_capacity, pad) if kind == "step" else ()
-        return ForwardPlan(owner.owner_id, kind, layouts, tokens, prefix_capacity, taken, key,
+        return ForwardPlan(owner.owner_id, kind, layouts, tokens, context, taken, key,
                            keeps_kv=kind == "prefill", key_positions=key_positions, state=state)
 
-    def _plan_prefill(self, owner: Owner, blocks: BlockSource, prefix_capacity: int,
-                      attention_mask: torch.Tensor | None) -> tuple:
-        """(layouts, key positions, blocks taken, record, tokens) of a prefill: each row's layout read from the mask,
-        checked against the spec, and the prompt's blocks taken again after a reset."""
+    def _prefill_layouts(self, owner: Owner, attention_mask: torch.Tensor | None) -> list[MaskLayout]:
+        """Each row's layout read from the model's whole prefill mask, checked against the spec."""
         spec: HunyuanSpec = owner.spec
         if attention_mask is None:
             raise RequestError(
@@ -222,7 +238,14 @@ class HunyuanImage3Family(Family):
                 "each row's layout (where padding sits, which tokens are kept) from it once per request. Pass "
                 "runtime.forward(request_id, 'prefill', prefix_capacity=P, attention_mask=<the mask the model gets>)"
             )
-        mask_layouts = _mask_layouts(spec, attention_mask)
+        return _mask_layouts(spec, attention_mask)
+
+    def _plan_prefill(self, owner: Owner, blocks: BlockSource, prefix_capacity: int,
+                      attention_mask: torch.Tensor | None) -> tuple:
+        """(layouts, key positions, blocks taken, record, tokens) of a prefill: each row's layout read from the mask,
+        checked against the spec, and the prompt's blocks taken again after a reset."""
+        spec: HunyuanSpec = owner.spec
+        mask_layouts = self._prefill_layouts(owner, attention_mask)
         B = blocks.block_size
         # After a reset (`history_dropped`) the request holds no prompt blocks: its prefill takes them again (admission
         # reserved them), or the prompt would be written into scratch, which the next forward overwrites.
@@ -239,6 +262,48 @@ class HunyuanImage3Family(Family):
         # a prefill (again: a retry, another mask) makes the next step's mask checked against its layout
         key_positions = [ml.positions for ml in mask_layouts]
         return layouts, key_positions, taken, HunyuanRecord(mask_layouts), len(mask_layouts[0].positions)
+
+    def _plan_suffix(self, owner: Owner, blocks: BlockSource, attention_mask: torch.Tensor | None,
+                     suffix_from: int | None) -> tuple:
+        """(layouts, key positions, blocks taken, record, tokens) of a prefill whose rows' leading tokens are already
+        in their blocks (`Owner.prefix_ready`: a prompt prefix served from the prefix cache; pages imported from
+        another producer, every prompt token ready): the model feeds only dense tokens [suffix_from, S) and reads
+        dense tokens [0, suffix_from) from its cache, as a step does (`hunyuan_steps(..., suffix_from=C)`: the
+        prefix-step idiom, at bucket (rows, S - C, C)). This is the general first forward over a ready history; the
+        layout is still read from the whole prefill mask (`attention_mask`: (rows, 1, S, S)).
+
+        Every row's dense tokens before `suffix_from` must be exactly its ready tokens (or padding) and no later
+        one may be ready: the forward writes only what it computes, never a ready (shared or imported) block."""
+        spec: HunyuanSpec = owner.spec
+        ready = owner.prefix_ready or (0,) * len(spec.prefix_lens)
+        if suffix_from is None or isinstance(suffix_from, bool) or not isinstance(suffix_from, int) or suffix_from < 1:
+            raise RequestError(
+                f"request {owner.owner_id!r} holds {list(ready)} ready prompt tokens per row (a cached or imported "
+                "prefix): its prefill computes only the rest. Feed the model dense tokens [C, S) over a cache of "
+                "capacity C and pass suffix_from=C (hunyuan_steps(..., suffix_from=C); C = "
+                f"{min(ready) if min(ready) else '?'} for a cached prefix); got suffix_from={suffix_from!r}")
+        mask_layouts = self._prefill_layouts(owner, attention_mask)
+        B = blocks.block_size
+        layouts = []
+        for r, (row, ml, n) in enumerate(zip(owner.rows, mask_layouts, ready)):
+            pos = ml.positions
+            if suffix_from >= len(pos):
+                raise RequestError(f"suffix_from={suffix_from} leaves no token to compute ({len(pos)} dense tokens)")
+            before = pos[:suffix_from]
+            before = torch.sort(before[before >= 0]).values
+            later = pos[suffix_from:]
+            if not torch.equal(before, torch.arange(n, dtype=before.dtype)) or bool((later[later >= 0] < n).any()):
+                raise RequestError(
+                    f"row {r}: dense tokens [0, {suffix_from}) hold logical positions {before.tolist()[:8]}"
+                    f"{'...' if len(before) > 8 else ''} but the row's ready prefix is positions [0, {n}): the suffix "
+                    "forward must start right after the ready tokens (and their padding); pass suffix_from = the dense "
+                    "column after them")
+            if not row:
+                raise RequestError(f"row {r} of {owner.owner_id!r} holds no prompt blocks; admit it again")
+            scratch = blocks.scratch(r, len(row), (ml.kept - 1) // B)
+            layouts.append(RowLayout.build(row, scratch, pos[suffix_from:], ml.visible_end[suffix_from:], ml.kept))
+        key_positions = [ml.positions for ml in mask_layouts]  # dense key columns: [cache (C) | suffix] = 0..S-1
+        return layouts, key_positions, [], HunyuanRecord(mask_layouts), len(mask_layouts[0].positions) - suffix_from
 
     def _plan_step(self, owner: Owner, blocks: BlockSource, prefix_capacity: int,
                    attention_mask: torch.Tensor | None, pad: int = 0) -> tuple:
@@ -451,14 +516,22 @@ def _check_step_mask(masks: list[torch.Tensor], layouts: list[RowLayout], key_po
 
 
 def hunyuan_layer_inputs(model, runtime: ModelRuntime, bucket: Bucket) -> tuple[tuple, dict]:
-    """Arguments of one `HunyuanDecoderLayer` call of `bucket` (prefill or step, from the token count)."""
+    """Arguments of one `HunyuanDecoderLayer` call of `bucket` (prefill or step, from the token count; more tokens
+    than a step over a context C: a prefill's suffix over C ready tokens, `hunyuan_steps(..., suffix_from=C)`)."""
     cfg, p = model.cfg, next(model.parameters())
     R, T, P = bucket.rows, bucket.tokens, bucket.context
     target = cfg.target_len
+    if P >= 1 and T > target and T != P + target:  # a suffix: step-mode call over the dense tokens [C, S)
+        req = model.build_request([torch.zeros(P + T - target, dtype=torch.int64)] * R, P + T - target)
+        cache = HUNYUAN_IMAGE3.standin_caches(runtime, model, R, prefix_capacity=P)[0]
+        hidden = torch.zeros(R, T, cfg.hidden, dtype=p.dtype, device=p.device)
+        return (hidden, req.rope_cos[:, P:].contiguous(), req.rope_sin[:, P:].contiguous(),
+                req.attention_mask[:, :, P:].contiguous(), cache, req.prefix_valid, "step"), {}
     if P < 1 or T not in (P + target, target):
         raise ConfigError(
             f"bucket {bucket} is not a HunyuanImage-3 forward: tokens must be prefix capacity + {target} "
-            f"(prefill) or {target} (step), with a capacity >= 1; use hunyuan_buckets(model.cfg, capacities)"
+            f"(prefill), {target} (step) or more (a prefill's suffix over a ready prefix of `context` tokens), with a "
+            "capacity >= 1; use hunyuan_buckets(model.cfg, capacities)"
         )
     req = model.build_request([torch.zeros(P, dtype=torch.int64)] * R, P)
     cache = HUNYUAN_IMAGE3.standin_caches(runtime, model, R, prefix_capacity=P)[0]  # what the driver hands over

@@ -446,8 +446,14 @@ def hunyuan_steps(
     guidance_scale: float = 4.0,
     seed: int = 0,
     hooks: DenseHooks | None = None,
+    suffix_from: int = 0,
 ) -> Steps:
-    """`hunyuan_generate` as a step generator: yields a `Forward` per model forward (see `models/hooks.py`)."""
+    """`hunyuan_generate` as a step generator: yields a `Forward` per model forward (see `models/hooks.py`).
+
+    suffix_from=C > 0: the first forward feeds only dense tokens [C, S) and reads [0, C) from a cache of capacity C,
+    as a step does (the idiom the passes page as a prefix step): for paged hooks whose runtime already holds those
+    tokens' K/V (a prompt prefix from the prefix cache, imported pages: `Owner.prefix_ready`). A dense cache holds
+    nothing there: the dense loop computes the whole sequence (C = 0)."""
     cfg = model.cfg
     hooks = hooks if hooks is not None else DenseHooks()
     if num_steps < 1:
@@ -458,12 +464,27 @@ def hunyuan_steps(
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(cfg.image_tokens, cfg.latent_channels, generator=gen).to(device=p.device, dtype=p.dtype)
     sigmas = torch.linspace(1.0, 0.0, num_steps + 1).tolist()
+    if not 0 <= suffix_from < P + cfg.target_len:
+        raise ValueError(f"suffix_from must lie in [0, {P + cfg.target_len}), got {suffix_from}")
+    if suffix_from and type(hooks).caches is DenseHooks.caches:
+        raise ValueError(f"suffix_from={suffix_from} reads tokens [0, {suffix_from}) from a cache that already holds "
+                         "them (a paged runtime's cached or imported prefix); a dense cache holds nothing there: run "
+                         "the dense loop with suffix_from=0")
+    first_caches = hooks.caches(model, b, prefix_capacity=suffix_from) if suffix_from else None
     caches = hooks.caches(model, b, prefix_capacity=P)
     info = dict(prefix_lens=list(req.prefix_lens), prefix_capacity=P, target_len=cfg.target_len)
     for i in range(num_steps):
         t = torch.full((b,), sigmas[i] * 1000.0, device=p.device)
         target = model.embed_target(x.expand(b, -1, -1), t)
-        if i == 0:
+        if i == 0 and suffix_from:
+            C = suffix_from
+            hidden = yield Forward("prefill", i, lambda: model(
+                torch.cat([req.prefix_embeds, target], dim=1)[:, C:].contiguous(), req.rope_cos[:, C:].contiguous(),
+                req.rope_sin[:, C:].contiguous(), req.attention_mask[:, :, C:].contiguous(), first_caches,
+                req.prefix_valid, "step",
+            ), dict(attention_mask=req.attention_mask, suffix_from=C, **info))  # fmt: skip
+            hidden = hidden[:, P - C:]
+        elif i == 0:
             hidden = yield Forward("prefill", i, lambda: model(
                 torch.cat([req.prefix_embeds, target], dim=1), req.rope_cos, req.rope_sin,
                 req.attention_mask, caches, req.prefix_valid, "prefill",
