@@ -21,7 +21,11 @@ written, so that forward runs dense as written. How a model hands its prefix ove
 4. ``runtime.release(request_id)`` frees the prefix.
 
 Where a row's prefix sits in the dense tensors (rows shorter than L are padded) is `pad_side`: "right" (tokens
-[0, p), vllm-omni's default) or "left" (tokens [L - p, L), BAGEL's `left_pad_stack`).
+[0, p), vllm-omni's default) or "left" (tokens [L - p, L), BAGEL's `left_pad_stack`), or, for padding inside the
+prefix (pi0's empty camera slots before its prompt), `prefix_columns`: per row, which of the L dense columns hold
+its prefix. A step's new tokens see the whole prefix and, by default, every new token; `new_visible` gives per new
+token how many of the step's new tokens it sees instead (pi0's state token sees itself only, its action tokens all).
+Both are checked against the model's mask at every step, as the padding is.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ class ConditioningPrefixSpec:
     prefix_lens: tuple[int, ...]
     max_new_tokens: int
     pad_side: str = "right"
+    #: per row, which dense prefix columns hold its prefix (padding inside the prefix); None: `pad_side` says
+    prefix_columns: tuple[tuple[bool, ...], ...] | None = None
+    #: per new token, how many of the step's new tokens (the first ones) it sees; None: all of them
+    new_visible: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -84,6 +92,16 @@ class ConditioningPrefixFamily(Family):
                                f"{spec.max_new_tokens})")
         if spec.pad_side not in PAD_SIDES:
             raise RequestError(f"pad_side={spec.pad_side!r}; use one of {PAD_SIDES}")
+        if spec.prefix_columns is not None and (
+                len(spec.prefix_columns) != len(spec.prefix_lens)
+                or any(sum(map(bool, c)) != p for c, p in zip(spec.prefix_columns, spec.prefix_lens))
+                or len({len(c) for c in spec.prefix_columns}) != 1):
+            raise RequestError("prefix_columns must give every row the same number of dense columns, as many of them "
+                               f"True as the row's prefix length {spec.prefix_lens}")
+        if spec.new_visible is not None and (len(spec.new_visible) != spec.max_new_tokens or not all(
+                1 <= v <= spec.max_new_tokens for v in spec.new_visible)):
+            raise RequestError(f"new_visible must give each of the {spec.max_new_tokens} new tokens how many new "
+                               f"tokens it sees (1..{spec.max_new_tokens}), got {spec.new_visible}")
         B = blocks.block_size
         for p in spec.prefix_lens:
             blocks.check_scratch(ceil_div(p + spec.max_new_tokens, B) - ceil_div(p, B))
@@ -117,15 +135,20 @@ class ConditioningPrefixFamily(Family):
         if P != record.capacity:
             raise RequestError(f"prefix_capacity={P} but the stored prefix's dense length is {record.capacity}: the "
                                "model's stand-ins have that length")
+        if spec.new_visible is not None and T != spec.max_new_tokens:
+            raise RequestError(f"new_tokens={T}: a request with new_visible computes all {spec.max_new_tokens} new "
+                               "tokens at every step")
+        seen = torch.tensor(spec.new_visible if spec.new_visible is not None else (T,) * T, dtype=torch.int32)
 
         def make() -> tuple[list[RowLayout], list[torch.Tensor]]:
             layouts, keys = [], []
             for r, (row, p) in enumerate(zip(owner.rows, spec.prefix_lens)):
                 positions = torch.arange(p, p + T, dtype=torch.int32)
                 scratch = blocks.scratch(r, len(row), (p + T - 1) // blocks.block_size)
-                layouts.append(RowLayout.build(row, scratch, positions, torch.full((T,), p + T, dtype=torch.int32),
-                                               p + T, max_position=p + T - 1))
-                keys.append(torch.cat([prefix_columns(p, P, spec.pad_side), positions.to(torch.int64)]))
+                layouts.append(RowLayout.build(row, scratch, positions, p + seen, p + T, max_position=p + T - 1))
+                columns = prefix_columns(p, P, spec.pad_side,
+                                         None if spec.prefix_columns is None else spec.prefix_columns[r])
+                keys.append(torch.cat([columns, positions.to(torch.int64)]))
             return layouts, keys
 
         layouts, keys = reuse_layouts(owner, ("step", owner.version, P, T, blocks.first_scratch_row), make)
@@ -136,8 +159,9 @@ class ConditioningPrefixFamily(Family):
                 if why:
                     raise RequestError(
                         f"row {r}: the step's mask disagrees with the request's layout ({why}): row {r} holds a "
-                        f"{spec.prefix_lens[r]}-token prefix padded on the {spec.pad_side} to {P}, then {T} new "
-                        "tokens, all visible; fix the spec's prefix_lens/pad_side or the mask")
+                        f"{spec.prefix_lens[r]}-token prefix in {P} dense columns ({_where(spec)}), then {T} new "
+                        f"tokens ({_seen(spec)}); fix the spec's prefix_lens/pad_side/prefix_columns/new_visible or "
+                        "the mask")
         phase = {"mask_checked": attention_mask is not None}
         return ForwardPlan(owner.owner_id, kind, layouts, T, P, [], ("step", owner.serial, owner.version, P, T),
                            key_positions=keys, phase=phase)
@@ -155,6 +179,10 @@ class ConditioningPrefixFamily(Family):
         a masked (prefix-step) site is right only when its mask was checked against the layout."""
         spec: ConditioningPrefixSpec = owner.spec
         if isinstance(expect, ConditioningPrefixExpect):
+            if spec.new_visible is not None and set(spec.new_visible) != {plan.tokens}:
+                raise RequestError(
+                    f"this compiled conditioning-prefix site lets every new token see every other (no mask), but "
+                    f"{owner.owner_id!r}'s new tokens see {spec.new_visible} of them: pass the mask in the model")
             short = [(r, p) for r, p in enumerate(spec.prefix_lens) if p != expect.prefix_tokens]
             if short:
                 raise RequestError(
@@ -198,8 +226,24 @@ class ConditioningPrefixFamily(Family):
         return [(standin, standin) for _ in range(cfg.num_layers)]
 
 
-def prefix_columns(prefix_len: int, capacity: int, pad_side: str) -> torch.Tensor:
-    """The logical position each of the `capacity` dense prefix columns holds (-1: padding)."""
+def _where(spec: ConditioningPrefixSpec) -> str:
+    return f"padded on the {spec.pad_side}" if spec.prefix_columns is None else "at its prefix_columns"
+
+
+def _seen(spec: ConditioningPrefixSpec) -> str:
+    return "all visible" if spec.new_visible is None else f"each seeing the first {list(spec.new_visible)} of them"
+
+
+def prefix_columns(prefix_len: int, capacity: int, pad_side: str,
+                   columns: Sequence[bool] | None = None) -> torch.Tensor:
+    """The logical position each of the `capacity` dense prefix columns holds (-1: padding). `columns`: which hold
+    the prefix, in order (padding inside the prefix); otherwise `pad_side` places it."""
+    if columns is not None:
+        held = torch.tensor([bool(c) for c in columns])
+        if len(held) != capacity:
+            raise RequestError(f"prefix_columns gives {len(held)} dense columns but the prefix stand-ins have "
+                               f"{capacity}")
+        return torch.where(held, held.cumsum(0) - 1, torch.full((capacity,), -1)).to(torch.int64)
     cols = torch.arange(capacity, dtype=torch.int64)
     pos = cols if pad_side == "right" else cols - (capacity - prefix_len)
     return torch.where((pos >= 0) & (pos < prefix_len), pos, torch.full_like(pos, -1))
@@ -247,6 +291,9 @@ def store_prefix(runtime: Any, owner_id: str, kv: Sequence[tuple[torch.Tensor, t
     if why:
         raise ConfigError(f"store_prefix({owner_id!r}): {why}")
     L = kv[0][0].shape[1]
+    if spec.prefix_columns is not None and len(spec.prefix_columns[0]) != L:
+        raise ConfigError(f"store_prefix({owner_id!r}): the K/V holds {L} tokens per row but the spec's "
+                          f"prefix_columns name {len(spec.prefix_columns[0])}")
     if L < max(spec.prefix_lens):
         raise ConfigError(f"store_prefix({owner_id!r}): the K/V holds {L} tokens per row, fewer than the spec's "
                           f"prefix lengths {spec.prefix_lens}")
@@ -254,6 +301,10 @@ def store_prefix(runtime: Any, owner_id: str, kv: Sequence[tuple[torch.Tensor, t
         owner.rows = runtime.scheduler.allocate_rows([ceil_div(p, pool.block_size) for p in spec.prefix_lens])
     per_layer = torch.stack([torch.stack([k.detach(), v.detach()]) for k, v in kv])  # (layers, 2, rows, L, H, D)
     for r, p in enumerate(spec.prefix_lens):
+        if spec.prefix_columns is not None:
+            held = torch.tensor([bool(c) for c in spec.prefix_columns[r]]).nonzero()[:, 0]
+            pool.write_region(owner.rows[r], pool.to_stored(per_layer[:, :, r].index_select(2, held)))
+            continue
         start = 0 if spec.pad_side == "right" else L - p
         pool.write_region(owner.rows[r], pool.to_stored(per_layer[:, :, r, start:start + p]))
     owner.state = ConditioningPrefixRecord(capacity=L)
