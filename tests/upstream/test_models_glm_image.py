@@ -2,8 +2,8 @@
 condition K/V, kept by `GlmImageLayerKVCache` (an attribute assignment at the WRITE forward), concatenated before
 every denoising step's keys, ``cat([k_cached, key], dim=1)``, with no mask.
 
-The pipeline's own code drives it: `_prepare_condition_image_kv_cache`'s WRITE forward (the transformer at timestep
-0 over the condition latent, no text), then `GlmImagePipeline.diffuse` (its denoising loop: a conditional and an
+The pipeline's own code drives it: `_prepare_condition_image_kv_cache` (a WRITE forward of the transformer at
+timestep 0 per condition image, no text; a stand-in VAE encodes, there is no checkpoint here), then `GlmImagePipeline.diffuse` (its denoising loop: a conditional and an
 unconditional forward per step, each batch 1 with its own glyph-embedding length, CFG combined, the flow-matching
 scheduler step). The paged side hands `diffuse` a transformer whose call is bracketed by ``runtime.forward`` (the
 seam a serving adapter would own) and caches whose K/V are stand-ins after `store_prefix` wrote the prefix once.
@@ -40,28 +40,41 @@ def _tiny_od_config(omni):
 
 
 class _Inputs:
-    """One image edit's inputs: a condition latent and its prior tokens, the target's prior tokens, the prompts."""
+    """One image edit's inputs: condition images and their prior tokens, the target's prior tokens, the prompts."""
 
-    def __init__(self) -> None:
+    def __init__(self, condition_images: int = 1) -> None:
         g = torch.Generator().manual_seed(1)
         self.image_tokens = (LATENT // 2) ** 2
-        self.cond_latent = torch.randn(1, 4, LATENT, LATENT, generator=g)
-        self.cond_prior = torch.randint(0, 32, (1, self.image_tokens), generator=g)
+        self.condition_images = [torch.randn(4, LATENT * 8, LATENT * 8, generator=g) for _ in range(condition_images)]
+        self.condition_priors = [torch.randint(0, 32, (1, self.image_tokens), generator=g)
+                                 for _ in range(condition_images)]
         self.prior = torch.randint(0, 32, (1, self.image_tokens), generator=g)
         self.prompt = torch.randn(1, TEXT, 12, generator=g)
         self.negative = torch.randn(1, NEG_TEXT, 12, generator=g)
         self.latents = torch.randn(1, 4, LATENT, LATENT, generator=g)
 
 
-def _write_condition_kv(transformer, caches, x: _Inputs) -> None:
-    """`GlmImagePipeline._prepare_condition_image_kv_cache`'s transformer call, as it makes it (the VAE encode
-    before it is replaced by a random condition latent), then the mode it leaves the caches in."""
-    caches.set_mode("write")
-    transformer(hidden_states=x.cond_latent, encoder_hidden_states=torch.zeros_like(x.prompt)[:1, :0, ...],
-                prior_token_id=x.cond_prior, prior_token_drop=torch.full_like(x.cond_prior, False, dtype=torch.bool),
-                timestep=torch.zeros((1,)), target_size=torch.tensor([[LATENT * 8.0, LATENT * 8.0]]),
-                crop_coords=torch.zeros((1, 2)), kv_cache=caches, return_dict=False)
+class _StandInVae:
+    """What `_prepare_condition_image_kv_cache` reads of the VAE: its latent statistics and `encode` (here an 8x
+    average pool, deterministic: no checkpoint on this machine)."""
+
+    config = types.SimpleNamespace(latents_mean=[0.1, -0.2, 0.0, 0.3], latents_std=[1.5, 0.8, 1.0, 1.2],
+                                   latent_channels=4)
+
+    def encode(self, image: torch.Tensor):
+        return types.SimpleNamespace(latents=torch.nn.functional.avg_pool2d(image, 8))
+
+
+def _write_condition_kv(transformer, x: _Inputs):
+    """The pipeline's own `_prepare_condition_image_kv_cache` (one WRITE forward per condition image, the store
+    accumulating them), then the mode `forward` leaves the caches in."""
+    from vllm_omni.diffusion.models.glm_image import pipeline_glm_image as pg
+
+    pipeline = types.SimpleNamespace(transformer=transformer, vae=_StandInVae(), device=torch.device("cpu"))
+    caches = pg.GlmImagePipeline._prepare_condition_image_kv_cache(pipeline, x.condition_images, x.condition_priors,
+                                                                   x.prompt)
     caches.set_mode("read")
+    return caches
 
 
 def _diffuse(transformer, caches, x: _Inputs, steps: int = 3) -> torch.Tensor:
@@ -98,9 +111,11 @@ def _runtime(rows: int = 1, layers: int = LAYERS) -> PagedKVRuntime:
                                         kernel="reference"))
 
 
-def test_glm_image_edit_pages_as_written_through_its_diffuse_loop(omni):
-    """Compiled paged vs dense eager, fp32: the condition K/V stored once (one row: the conditional and the
-    unconditional forwards read the same prefix), every step's attention rewritten, one frame per bucket."""
+@pytest.mark.parametrize("condition_images", [1, 2])
+def test_glm_image_edit_pages_as_written_through_its_diffuse_loop(omni, condition_images):
+    """Compiled paged vs dense eager, fp32: the condition K/V (of one or two condition images, accumulated by the
+    store) stored once (one row: the conditional and the unconditional forwards read the same prefix), every
+    step's attention rewritten, one frame per bucket."""
     od = _tiny_od_config(omni)
     with omni.model_context(od), torch.no_grad():
         from vllm_omni.diffusion.models.glm_image.glm_image_transformer import GlmImageTransformer2DModel
@@ -109,9 +124,8 @@ def test_glm_image_edit_pages_as_written_through_its_diffuse_loop(omni):
         transformer = GlmImageTransformer2DModel(od).eval()
         for p in transformer.parameters():
             torch.nn.init.normal_(p, std=0.2)
-        x = _Inputs()
-        dense_caches = transformer.create_kv_cache()
-        _write_condition_kv(transformer, dense_caches, x)
+        x = _Inputs(condition_images)
+        dense_caches = _write_condition_kv(transformer, x)
         dense = _diffuse(transformer, dense_caches, x)
 
         runtime = _runtime()
@@ -119,10 +133,9 @@ def test_glm_image_edit_pages_as_written_through_its_diffuse_loop(omni):
         backend = CountingBackend({"inner_compiler": "aot_eager", "strict": True})
         for block in transformer.transformer_blocks:
             block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
-        caches = transformer.create_kv_cache()
-        _write_condition_kv(transformer, caches, x)  # compiled, dense: the store is an attribute assignment
+        caches = _write_condition_kv(transformer, x)  # compiled, dense: the store is an attribute assignment
         prefix = caches[0].k_cache.shape[1]
-        assert prefix == x.image_tokens
+        assert prefix == condition_images * x.image_tokens
         runtime.admit("edit", ConditioningPrefixSpec((prefix,), max_new_tokens=TEXT + x.image_tokens))
         free_before = runtime.state()["num_free"]
         k, v = store_prefix(runtime, "edit", [(c.k_cache, c.v_cache) for c in caches.caches])
@@ -132,13 +145,14 @@ def test_glm_image_edit_pages_as_written_through_its_diffuse_loop(omni):
         paged = _diffuse(_PagedTransformer(transformer, runtime, "edit", x.image_tokens), caches, x)
 
         diff = (dense - paged).abs().max().item()
-        print(f"glm_image edit, 3 steps x 2 CFG forwards: max abs diff {diff:.3g}, frames {backend.frames}")
+        print(f"glm_image edit, {condition_images} condition image(s), 3 steps x 2 CFG forwards: max abs diff "
+              f"{diff:.3g}, frames {backend.frames}")
         assert diff <= ATOL
-        # the WRITE forward (no stand-in: dense), the conditional step, the unconditional step (its own length)
-        assert backend.frames == 3
+        # the WRITE forward (no stand-in: dense; a second image's WRITE finds a cache to concatenate to: its own
+        # frame), the conditional step, the unconditional step (its own glyph length)
+        assert backend.frames == condition_images + 2
         reports = [[(r.pattern, r.status) for r in res.reports] for res in backend.results]
-        assert reports == [[("-", "dense")], [("conditioning-prefix", "rewritten")],
-                           [("conditioning-prefix", "rewritten")]]
+        assert reports == [[("-", "dense")]] * condition_images + [[("conditioning-prefix", "rewritten")]] * 2
         assert [len(r) for r in runtime.owner("edit").rows] == [-(-prefix // BLOCK)]  # stored once
         assert free_before == runtime.state()["num_free"]  # steps took no managed block
         runtime.release("edit")
