@@ -3,9 +3,9 @@ condition K/V, kept by `GlmImageLayerKVCache` (an attribute assignment at the WR
 every denoising step's keys, ``cat([k_cached, key], dim=1)``, with no mask.
 
 The pipeline's own code drives it: `_prepare_condition_image_kv_cache` (a WRITE forward of the transformer at
-timestep 0 per condition image, no text; a stand-in VAE encodes, there is no checkpoint here), then `GlmImagePipeline.diffuse` (its denoising loop: a conditional and an
-unconditional forward per step, each batch 1 with its own glyph-embedding length, CFG combined, the flow-matching
-scheduler step). The paged side hands `diffuse` a transformer whose call is bracketed by ``runtime.forward`` (the
+timestep 0 per condition image, no text; a stand-in VAE encodes, there is no checkpoint here), then
+`GlmImagePipeline.diffuse` (its denoising loop: a conditional and an unconditional forward per step, each batch 1
+with its own glyph-embedding length, CFG combined, the flow-matching scheduler step). The paged side hands `diffuse` a transformer whose call is bracketed by ``runtime.forward`` (the
 seam a serving adapter would own) and caches whose K/V are stand-ins after `store_prefix` wrote the prefix once.
 """
 
