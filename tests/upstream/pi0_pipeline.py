@@ -1,7 +1,9 @@
-"""vllm-omni 0.30.0's pi0 (`vllm_omni/diffusion/models/pi0/modeling_pi0.py`) at tiny sizes on this CPU, and the
-driver that pages its flow-matching steps.
+"""vllm-omni 0.30.0's pi0 and pi0.5 (`vllm_omni/diffusion/models/pi0/modeling_pi0.py`, `pi05/modeling_pi05.py`, its
+own copy with AdaRMS norms and no state token) at tiny sizes on this CPU, and the driver that pages their
+flow-matching steps.
 
-The model is the package's `Pi0ForActionPrediction`, built unchanged from a `Pi0Config`; three construction-time
+The model is the package's `Pi0ForActionPrediction` (`Pi05ForActionPrediction`), built unchanged from its config;
+three construction-time
 shims make it tiny (none touches a model line, and each is undone once the model is built):
 
 * `get_gemma_config` knows two tiny variants besides `gemma_2b` / `gemma_300m` (the config names its variants);
@@ -28,6 +30,7 @@ layer i attends over the prefix PaliGemma's layer i computed), bound as one cont
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -43,11 +46,21 @@ VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_att
 IMAGE_TOKENS = (VISION["image_size"] // VISION["patch_size"]) ** 2
 
 
+#: per model: its modeling module, model class, config class (pi0.5 is its own copy of pi0's code)
+MODELS = {"pi0": ("pi0.modeling_pi0", "Pi0ForActionPrediction", "pi0.config", "Pi0Config"),
+          "pi05": ("pi05.modeling_pi05", "Pi05ForActionPrediction", "pi05.config", "Pi05Config")}
+
+
+def _module(name: str):
+    import importlib
+
+    return importlib.import_module(f"vllm_omni.diffusion.models.{name}")
+
+
 @contextlib.contextmanager
-def _tiny_construction() -> Iterator[None]:
+def _tiny_construction(modeling_pi0) -> Iterator[None]:
     from transformers import PaliGemmaConfig
     from transformers.models.auto import CONFIG_MAPPING
-    from vllm_omni.diffusion.models.pi0 import modeling_pi0
 
     real_variants, real_mapping = modeling_pi0.get_gemma_config, modeling_pi0.CONFIG_MAPPING
 
@@ -69,16 +82,19 @@ def _tiny_construction() -> Iterator[None]:
         modeling_pi0.get_gemma_config, modeling_pi0.CONFIG_MAPPING = real_variants, real_mapping
 
 
-def tiny_pi0(*, chunk_size: int = 4, action_dim: int = 6, state_dim: int = 5, steps: int = 3, seed: int = 0):
-    """The package's `Pi0ForActionPrediction` at tiny sizes, random weights, fp32, eval."""
-    from vllm_omni.diffusion.models.pi0.config import Pi0Config
-    from vllm_omni.diffusion.models.pi0.modeling_pi0 import Pi0ForActionPrediction
-
-    config = Pi0Config(paligemma_variant=TINY_VLM, action_expert_variant=TINY_EXPERT, chunk_size=chunk_size,
-                       max_action_dim=action_dim, max_state_dim=state_dim, num_inference_steps=steps)
+def tiny_pi0(which: str = "pi0", *, chunk_size: int = 4, action_dim: int = 6, state_dim: int = 5, steps: int = 3,
+             seed: int = 0):
+    """The package's `Pi0ForActionPrediction` (or pi0.5's `Pi05ForActionPrediction`) at tiny sizes, random weights,
+    fp32, eval."""
+    modeling, model_class, config_module, config_class = MODELS[which]
+    modeling = _module(modeling)
+    extra = {"n_action_steps": chunk_size} if which == "pi05" else {}  # pi0.5's serving returns whole chunks
+    config = getattr(_module(config_module), config_class)(
+        paligemma_variant=TINY_VLM, action_expert_variant=TINY_EXPERT, chunk_size=chunk_size,
+        max_action_dim=action_dim, max_state_dim=state_dim, num_inference_steps=steps, **extra)
     torch.manual_seed(seed)
-    with _tiny_construction():
-        model = Pi0ForActionPrediction(config)
+    with _tiny_construction(modeling):
+        model = getattr(modeling, model_class)(config)
     paligemma = model.paligemma_with_expert.paligemma
     paligemma.model.multi_modal_projector.linear = torch.nn.Linear(VISION["hidden_size"], TINY_VARIANTS[TINY_VLM][0])
     return model.eval()
@@ -96,9 +112,13 @@ class Observation:
     state: torch.Tensor
     noise: torch.Tensor
 
-    def arguments(self) -> dict[str, Any]:
-        return dict(images=self.images, image_masks=self.image_masks, lang_tokens=self.lang_tokens,
-                    lang_masks=self.lang_masks, state=self.state, noise=self.noise)
+    def arguments(self, model) -> dict[str, Any]:
+        """`sample_actions`' arguments; pi0.5 takes no state (its state rides in the prompt tokens)."""
+        args = dict(images=self.images, image_masks=self.image_masks, lang_tokens=self.lang_tokens,
+                    lang_masks=self.lang_masks, noise=self.noise)
+        if "state" in inspect.signature(model.sample_actions).parameters:
+            args["state"] = self.state
+        return args
 
 
 def observation(model, *, cameras: list[list[bool]], prompt_lens: list[int], prompt_capacity: int = 5,
@@ -175,13 +195,15 @@ def camera_image(seed: int):
 
 def step_visibility(model, rows: int) -> tuple[int, ...]:
     """Per suffix token, how many suffix tokens it sees, read from the model's own suffix masks (`embed_suffix`'s
-    ``[1, 1, 0, ...]`` autoregressive mask through `make_att_2d_masks`): the state token sees itself, every action
-    token the state and all actions. Each step's real mask is checked against it before the step runs."""
-    from vllm_omni.diffusion.models.pi0.modeling_pi0 import make_att_2d_masks
-
-    state = torch.zeros(rows, model.max_state_dim)
+    autoregressive mask through `make_att_2d_masks`): pi0's ``[1, 1, 0, ...]`` (its state token sees itself, every
+    action token the state and all actions), pi0.5's ``[1, 0, ...]`` (no state token: every action sees all).
+    Each step's real mask is checked against it before the step runs."""
+    make_att_2d_masks = inspect.getmodule(type(model)).make_att_2d_masks
     actions = torch.zeros(rows, model.action_horizon, model.action_dim)
-    _, pad, att = model.embed_suffix(state, actions, torch.ones(rows))
+    if "state" in inspect.signature(model.embed_suffix).parameters:
+        _, pad, att = model.embed_suffix(torch.zeros(rows, model.max_state_dim), actions, torch.ones(rows))
+    else:
+        _, pad, att, _ = model.embed_suffix(actions, torch.ones(rows))
     seen = make_att_2d_masks(pad, att).sum(-1)
     if not bool((seen == seen[:1]).all()):
         raise AssertionError("pi0's suffix visibility differs between rows")
@@ -249,12 +271,13 @@ class Pi0PagedDriver:
         return request_id
 
     def _forward(self, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-                 use_cache=False):
+                 use_cache=False, **extra):
+        """`forward`'s stand-in (`extra`: pi0.5's `adarms_cond`, passed through)."""
         if inputs_embeds[1] is None:  # the prefix forward: dense, as written; its K/V stored once
             request_id = self._admit(attention_mask, inputs_embeds[0].shape[0])
             outputs, kv = self._dense(attention_mask=attention_mask, position_ids=position_ids,
                                       past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                                      use_cache=use_cache)
+                                      use_cache=use_cache, **extra)
             key, value = self._store_prefix(self.runtime, request_id,
                                             [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in kv])
             return outputs, [(key.transpose(1, 2), value.transpose(1, 2)) for _ in kv]
@@ -262,4 +285,5 @@ class Pi0PagedDriver:
         with self.runtime.forward(self.request_ids[-1], "step", new_tokens=inputs_embeds[1].shape[1],
                                   attention_mask=attention_mask):
             return self.compiled(attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                 **extra)

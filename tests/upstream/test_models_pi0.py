@@ -68,15 +68,17 @@ def _assert_every_site_paged(backend, layers: int) -> None:
     assert len(reports) == layers and all(r.status == "rewritten" and r.pattern == "prefix-step" for r in reports)
 
 
-def test_pi0_sample_actions_pages_its_flow_matching_steps(omni):
+@pytest.mark.parametrize("which", ["pi0", "pi05"])
+def test_pi0_sample_actions_pages_its_flow_matching_steps(omni, which):
     """Two rows with different padding inside the prefix (the empty camera slot differs, and the prompt length):
-    `sample_actions` unchanged, its prefix stored once per request and released with it."""
+    `sample_actions` unchanged, its prefix stored once per request and released with it. pi0.5 (AdaRMS-conditioned
+    expert, no state token) the same way."""
     from .pi0_pipeline import IMAGE_TOKENS, Pi0PagedDriver, observation, tiny_pi0
 
-    model = tiny_pi0()
+    model = tiny_pi0(which)
     obs = observation(model, cameras=[[True, False, True], [False, True, True]], prompt_lens=[3, 5])
     with torch.no_grad():
-        dense = model.sample_actions(**obs.arguments())
+        dense = model.sample_actions(**obs.arguments(model))
         runtime = _pi0_runtime(model, rows=2)
         free = runtime.state()["num_free"]
         backend = CountingBackend({"inner_compiler": "aot_eager", "strict": True, "check_mask": True})
@@ -91,15 +93,17 @@ def test_pi0_sample_actions_pages_its_flow_matching_steps(omni):
 
         driver._store_prefix = store_once
         with driver.installed():
-            paged = model.sample_actions(**obs.arguments())
+            paged = model.sample_actions(**obs.arguments(model))
     diff = (dense - paged).abs().max().item()
-    print(f"pi0 sample_actions paged ({driver.steps} steps, 2 rows): max abs diff {diff:.3g}, frames {backend.frames}")
+    print(f"{which} sample_actions paged ({driver.steps} steps, 2 rows): max abs diff {diff:.3g}, "
+          f"frames {backend.frames}")
     assert diff <= ATOL
     assert driver.steps == model.num_inference_steps
     _assert_every_site_paged(backend, layers=2)
     spec = driver.specs[0]
     assert spec.prefix_lens == (2 * IMAGE_TOKENS + 3, 2 * IMAGE_TOKENS + 5)  # the real prefix tokens, pads not stored
-    assert spec.new_visible == (1,) + (model.action_horizon + 1,) * model.action_horizon
+    T = model.action_horizon + (which == "pi0")  # pi0's suffix leads with its state token
+    assert spec.new_visible == ((1,) + (T,) * (T - 1) if which == "pi0" else (T,) * T)
     assert held == [[-(-p // 4) for p in spec.prefix_lens]]  # stored once, in the request's own blocks
     assert runtime.owner_ids() == [] and runtime.state()["num_free"] == free  # released with the request
 
@@ -145,6 +149,6 @@ def test_pi0_step_visibility_other_than_its_mask_is_refused(omni):
     with pytest.raises(RequestError, match=r"the step's mask disagrees with the request's layout \(query 0, key "
                                            r"column \d+: mask False, layout True\)"):
         with torch.no_grad(), driver.installed():
-            model.sample_actions(**obs.arguments())
+            model.sample_actions(**obs.arguments(model))
     assert backend.frames == 0 and driver.steps == 1
     assert runtime.owner_ids() == [] and runtime.state()["num_free"] == free
