@@ -15,7 +15,8 @@ The pipeline (`Cosmos3Pipeline.diffuse`, the plain CFG branch) swaps each branch
 into the transformer before its forward and keeps what the forward left there: `cfg_denoise` below is that loop.
 
 `Cosmos3PagedDriver` pages it with a conditioning-prefix request per branch (`families/conditioning_prefix.py`):
-the GEN layers compiled (`backend="paged_kv"`, each on its own, as `_repeated_blocks` names them), and the one
+the UND and GEN decoder layers compiled (`backend="paged_kv"`, each on its own; a UND layer's graph reads no
+stand-in, so it stays dense as written), and the one
 point where the transformer goes from the kept K/V to the GEN stack, `_run_gen_layers`, stood in for: when the
 transformer holds a prefix the UND tower has just computed (dense tensors), the driver admits a request, hands
 the K/V to `store_prefix` once and puts the stand-ins where the transformer kept the tensors (`cached_kv`, which
@@ -120,7 +121,7 @@ class Cosmos3PagedDriver:
             torch.nn.ModuleDict({"und": u, "gen": g})
             for u, g in zip(transformer.language_model.layers, transformer.gen_layers))
         runtime.bind(self.bound)
-        for layer in transformer.gen_layers:
+        for layer in (*transformer.language_model.layers, *transformer.gen_layers):
             layer.compile(backend=backend, fullgraph=True, dynamic=False)
         self.requests: list[str] = []
         self._by_standin: dict[int, tuple[torch.Tensor, str]] = {}

@@ -17,7 +17,8 @@ shims make it tiny (none touches a model line, and each is undone once the model
 
 * the prefix forward (`inputs_embeds=[prefix, None]`) admits a conditioning-prefix request whose layout is read
   from the model's own masks (which prefix columns are real: padded camera slots and prompt tokens are not; how
-  many suffix tokens each suffix token sees), runs dense as written, and hands the per-layer post-RoPE ``(k, v)``
+  many suffix tokens each suffix token sees), runs compiled (the same `torch.compile`d forward: its graph reads no
+  stand-in, so it stays dense as written), and hands the per-layer post-RoPE ``(k, v)``
   it returns (head-major, (B, Hkv, P, D)) to `store_prefix` (token-major) ONCE; the model gets the stand-ins back
   (head-major views) as its ``past_key_values``;
 * every flow-matching step (`inputs_embeds=[None, suffix]`) runs the compiled forward (`backend="paged_kv"`) inside
@@ -275,9 +276,9 @@ class Pi0PagedDriver:
         """`forward`'s stand-in (`extra`: pi0.5's `adarms_cond`, passed through)."""
         if inputs_embeds[1] is None:  # the prefix forward: dense, as written; its K/V stored once
             request_id = self._admit(attention_mask, inputs_embeds[0].shape[0])
-            outputs, kv = self._dense(attention_mask=attention_mask, position_ids=position_ids,
-                                      past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                                      use_cache=use_cache, **extra)
+            outputs, kv = self.compiled(attention_mask=attention_mask, position_ids=position_ids,
+                                        past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                        use_cache=use_cache, **extra)
             key, value = self._store_prefix(self.runtime, request_id,
                                             [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in kv])
             return outputs, [(key.transpose(1, 2), value.transpose(1, 2)) for _ in kv]

@@ -56,9 +56,12 @@ def test_cosmos3_cfg_denoising_pages_its_gen_layers(omni):
     assert driver.requests == ["cosmos3-0", "cosmos3-1"] and driver.steps == 6  # one request per branch
     assert held == [[-(-COND_LEN // 4)], [-(-UNCOND_LEN // 4)]]  # each branch's prefix stored once
     reports = [r for res in backend.results for r in res.reports]
-    assert backend.frames == 2  # one per bucket: the two branches' prefix lengths, each frame serving both layers
-    assert len(reports) == 2 and all(r.status == "rewritten" and r.pattern == "conditioning-prefix"
-                                     for r in reports)
+    # one per bucket: the UND layers over the padded prompt (dense: no stand-in; both branches, both layers) and
+    # the GEN layers at each branch's prefix length (each frame serving both layers)
+    assert backend.frames == 3
+    assert sorted((r.status, r.pattern, r.reason) for r in reports) == [
+        ("dense", "-", "no cache stand-in among the inputs"),  # the UND causal self-attention: computes the prefix
+        ("rewritten", "conditioning-prefix", ""), ("rewritten", "conditioning-prefix", "")]
     assert runtime.owner_ids() == [] and runtime.state()["num_free"] == free  # released with the requests
 
 
