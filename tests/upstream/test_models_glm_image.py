@@ -103,7 +103,8 @@ def _padding_mask(lengths: list[int], new: int, pad_side: str) -> torch.Tensor:
 @pytest.mark.parametrize("pad_side", ["right", "left"])
 def test_glm_image_attention_cfg_rows_of_different_prefix_lengths_page_with_a_padding_mask(omni, omni_ctx, pad_side):
     """Two CFG rows holding condition prefixes of 7 and 5 tokens, padded in the dense cache, read with the
-    attention's padding mask: the prefix-step idiom; the mask is checked against the layout before each step."""
+    attention's padding mask: the prefix-step idiom; the mask is checked against the layout before each step (and,
+    with the backend's check_mask, the model's own mask at every call)."""
     from vllm_omni.diffusion.models.glm_image.glm_image_transformer import GlmImageLayerKVCache, KVCacheMode
 
     lengths, text, image = [7, 5], 3, 5
@@ -118,7 +119,7 @@ def test_glm_image_attention_cfg_rows_of_different_prefix_lengths_page_with_a_pa
         paged_cache = GlmImageLayerKVCache()
         paged_cache.k_cache, paged_cache.v_cache = store_prefix(runtime, "cfg", [(k, v)])
         mask = _padding_mask(lengths, text + image, pad_side)
-        backend = CountingBackend({"inner_compiler": "aot_eager", "strict": True})
+        backend = CountingBackend({"inner_compiler": "aot_eager", "strict": True, "check_mask": True})
         compiled = torch.compile(attention.forward, backend=backend, fullgraph=True, dynamic=False)
         g = torch.Generator().manual_seed(4)
         for _ in range(2):
@@ -141,6 +142,10 @@ def test_glm_image_attention_cfg_rows_of_different_prefix_lengths_page_with_a_pa
         with pytest.raises(RequestError, match="pass the same mask to runtime.forward"):
             with runtime.forward("cfg", "step", new_tokens=text + image):
                 compiled(hidden, glyph, attention_mask=mask, kv_cache=paged_cache, kv_cache_mode=KVCacheMode.READ)
+        # check_mask: the mask the model itself gets is compared with the layout at every call
+        with pytest.raises(RequestError, match="check_mask: row 1's dense mask disagrees"):
+            with runtime.forward("cfg", "step", new_tokens=text + image, attention_mask=mask):
+                compiled(hidden, glyph, attention_mask=wrong, kv_cache=paged_cache, kv_cache_mode=KVCacheMode.READ)
         assert not runtime.state()["in_flight"]
 
 
