@@ -273,8 +273,24 @@ def store_prefix(runtime: Any, owner_id: str, kv: Sequence[tuple[torch.Tensor, t
     `owner_id`'s prefix blocks; returns the (key, value) stand-ins of shape (rows, L, Hkv, D) the model keeps instead.
 
     Host side, between forwards; write-once: a request stores its prefix once (again only after a reset). Refused
-    before anything changes when the K/V does not fit the request's spec.
+    before anything changes when the K/V does not fit the request's spec. On a `distributed.RankRuntime` it is a
+    lifecycle call every rank of the group agrees on (each rank stores its own heads / its own branch's rows; the
+    K/V are compared by shape): a refusal on any rank restores every rank.
     """
+    lifecycle = getattr(runtime, "_lifecycle", None)  # a RankRuntime: apply, vote, restore if any rank refused
+    if lifecycle is None:
+        return _store_prefix(runtime, owner_id, kv)
+    shapes = [tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair)
+              if isinstance(pair, (list, tuple)) else type(pair).__name__ for pair in kv] \
+        if isinstance(kv, (list, tuple)) else type(kv).__name__
+    stored: list = []
+    lifecycle("store_prefix", owner_id, shapes, lambda: stored.append(_store_prefix(runtime.runtime, owner_id, kv)))
+    return stored[0]
+
+
+def _store_prefix(runtime: Any, owner_id: str, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`store_prefix` on one `PagedKVRuntime`."""
     if runtime.active is not None:
         raise RequestError("store_prefix ran inside a forward: store the prefix between forwards")
     owner = runtime.owner(owner_id)
