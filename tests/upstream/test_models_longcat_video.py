@@ -4,8 +4,10 @@ and a later forward ropes ``cat([k_cache, k], dim=2)`` as a whole, over the cond
 
 The paged op keeps the keys it attends with; keys roped after the concatenation are not those. The passes refuse
 the site, naming the concatenation and the fix (RoPE on the new keys before it): the reason pinned on our DreamZero
-reference in that order (`tests/test_pass_spellings.py::test_rope_after_the_cache_concatenation_is_refused_with_the_fix`)
-is the one the real class gets, handed cache stand-ins as its `kv_cache`. Never computed on a stand-in's zeros.
+reference in that order
+(`tests/test_pass_spellings.py::test_rope_after_the_cache_concatenation_is_refused_with_the_fix`) is the one the
+real class gets, handed cache stand-ins as its `kv_cache` (the passes read its ``k_cache.to(device, dtype)``, a
+no-op here, as the identity). Never computed on a stand-in's zeros.
 """
 
 from __future__ import annotations
