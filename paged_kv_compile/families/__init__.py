@@ -13,10 +13,11 @@ import torch
 from ..errors import ConfigError, RequestError
 from ..passes.idioms import Expectation, Idiom
 from .base import Family, ForwardPlan, Owner, missing_members
+from .conditioning_prefix import CONDITIONING_PREFIX_FAMILY
 from .dreamzero import DREAMZERO
 from .hunyuan_image3 import HUNYUAN_IMAGE3
 
-FAMILIES: tuple[Family, ...] = (DREAMZERO, HUNYUAN_IMAGE3)
+FAMILIES: tuple[Family, ...] = (DREAMZERO, HUNYUAN_IMAGE3, CONDITIONING_PREFIX_FAMILY)
 _BUILT_IN = {f.name for f in FAMILIES}
 _BY_NAME = {f.name: f for f in FAMILIES}
 

@@ -26,6 +26,10 @@ _MOVE_METHODS = {
     "repeat_interleave", "repeat", "tile", "narrow", "select", "clone", "swapaxes", "movedim", "__getitem__",
     "unflatten",
 }
+#: conversions that move no element when they change neither dtype nor device: on a graph input (``k_cache.to(k.dtype)``
+#: on a cache handed in already in that dtype, as pi0 and LongCat-Video-Avatar write before concatenating it) they are
+#: the identity on tags
+_CONVERSION_METHODS = {"to", "type_as", "float", "double", "half", "bfloat16"}
 CAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate}
 _TAG_SHIFT = 40
 _TAG_MASK = (1 << _TAG_SHIFT) - 1
@@ -48,8 +52,20 @@ def is_movement(node: fx.Node) -> bool:
             return is_tensor_node(node.args[0])  # getitem on a tuple (unbind/split) is a leaf boundary
         return node.target in _MOVE_FUNCTIONS
     if node.op == "call_method":
-        return node.target in _MOVE_METHODS
+        return node.target in _MOVE_METHODS or is_identity_conversion(node)
     return False
+
+
+def is_identity_conversion(node: fx.Node) -> bool:
+    """A `.to(...)`-like conversion of a graph input whose result has the input's dtype, device and shape: it moves
+    nothing. Only of a graph input: a no-op conversion inside a computation (RoPE's ``.to(x.dtype)``) stays the leaf
+    the passes read that computation's result from."""
+    if (node.op != "call_method" or node.target not in _CONVERSION_METHODS or not is_tensor_node(node.args[0])
+            or node.args[0].op != "placeholder"):
+        return False
+    src, out = example(node.args[0]), example(node)
+    return (isinstance(out, torch.Tensor) and out.dtype == src.dtype and out.device == src.device
+            and tuple(out.shape) == tuple(src.shape))
 
 
 def movement_leaves(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -118,7 +134,9 @@ def evaluate(target: fx.Node, leaves: list[fx.Node], steps: list[fx.Node],
                 in_place.perform(n, value_of)
                 continue
             args, kwargs = value_of(n.args), value_of(n.kwargs)
-            if n.op == "call_function":
+            if is_identity_conversion(n):
+                values[n] = args[0]  # the tags are int64: converting them would change what they say
+            elif n.op == "call_function":
                 values[n] = n.target(*args, **kwargs)
             else:
                 method = "reshape" if n.target == "view" else n.target
