@@ -48,7 +48,8 @@ from ..backend import paged_kv_backend
 from ..errors import ConfigError
 from .vllm_omni_ar_batch import serve_batch
 from .vllm_omni_ar_capture import FrameCaptures, check_granularity, record_block_calls
-from .vllm_omni_ar_diffusion import START_FRAME_SOURCE, DreamZeroPagedKV, PagedKVSessionState, parse_kv_dtype
+from .vllm_omni_ar_diffusion import DreamZeroPagedKV, PagedKVSessionState, parse_kv_dtype
+from .vllm_omni_ar_lingbot import LingBotPagedKV, paged_kv_class
 
 from vllm_omni.diffusion.models.interface import supports_step_execution  # noqa: E402  (vllm-omni users only)
 from vllm_omni.experimental.ar_diffusion.capability import SupportsARDiffusionWarmup  # noqa: E402
@@ -68,9 +69,9 @@ def _options(od_config) -> dict:
     return raw
 
 
-def _dynamic_sources(existing: str) -> str:
+def _dynamic_sources(existing: str, sources: tuple[str, ...]) -> str:
     parts = [s for s in (existing or "").split(",") if s]
-    return ",".join(parts if START_FRAME_SOURCE in parts else [*parts, START_FRAME_SOURCE])
+    return ",".join([*parts, *(s for s in sources if s not in parts)])
 
 
 class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
@@ -100,7 +101,11 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
             raise ConfigError(f"cuda_graphs={cuda_graphs!r} captures the warm-up requests' batch-1 shapes; with "
                               f"max_num_seqs={max_num_seqs} the batched forwards have shapes it never captured: "
                               "use cuda_graphs='none' with max_num_seqs > 1, or max_num_seqs=1")
-        self.kv_cache = DreamZeroPagedKV.build(
+        kv_class = paged_kv_class(transformer)
+        if kv_class is LingBotPagedKV and max_num_seqs > 1:
+            raise ConfigError(f"max_num_seqs={max_num_seqs}: LingBot-World's pipeline serves one request per forward "
+                              "(its _parse_request refuses request batches); use max_num_seqs=1")
+        self.kv_cache = kv_class.build(
             transformer, spec,
             available_bytes=self._available_memory_bytes() if available_bytes is None else available_bytes,
             memory_fraction=self.ar_diffusion_kv_config.gpu_memory_fraction, dtype=self.od_config.dtype,
@@ -144,7 +149,8 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
         graphs = FrameCaptures(transformer.blocks, runtime, examples)
         # The capture runs the frames the warm-up requests compiled (record_block_calls); serving replays and calls
         # dynamo no more.
-        with torch.compiler.config.patch(dynamic_sources=_dynamic_sources(torch.compiler.config.dynamic_sources)):
+        sources = _dynamic_sources(torch.compiler.config.dynamic_sources, self.kv_cache.dynamic_sources)
+        with torch.compiler.config.patch(dynamic_sources=sources):
             graphs.warmup()
         graphs.install()
         self.graphs = graphs
@@ -164,7 +170,8 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
             self._sessions[session_id].end_invocation()
 
     def _compile_settings(self) -> contextlib.AbstractContextManager:
-        sources = _dynamic_sources(torch.compiler.config.dynamic_sources)
+        model_sources = self.kv_cache.dynamic_sources if self.kv_cache is not None else ()
+        sources = _dynamic_sources(torch.compiler.config.dynamic_sources, model_sources)
         stack = contextlib.ExitStack()
         stack.enter_context(torch.compiler.config.patch(dynamic_sources=sources))
         if self.graphs is not None:
