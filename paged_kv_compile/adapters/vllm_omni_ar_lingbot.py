@@ -52,7 +52,7 @@ def check_lingbot_sink(spec: DreamZeroSpec, model: Any, frame_tokens: int, *, se
     window). Call before each forward, before the runtime plans it."""
     want = int(model.config.sink_size) * int(frame_tokens)
     if spec.sink_tokens != want:
-        raise RequestError(
+        raise ConfigError(
             f"session {session!r} keeps a {spec.sink_tokens}-token sink but the LingBot model's is {want} tokens "
             f"(config.sink_size={model.config.sink_size} frames of {frame_tokens} tokens): admit it with "
             "DreamZeroSpec.from_lingbot_world(model, h, w), or restore the model's sink_size")
