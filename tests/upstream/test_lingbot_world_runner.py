@@ -119,3 +119,16 @@ def test_lingbot_world_runner_refuses_what_it_cannot_serve_at_startup(omni, case
                 "max_num_seqs": r"max_num_seqs=2: LingBot-World's pipeline serves one request per forward"}[case]
         with pytest.raises(ConfigError, match=want):
             lr.dr.build_runner(pipeline, od, available_bytes=1 << 26)
+
+
+def test_lingbot_world_vllm_omni_own_runner_matches_the_dense_runner(omni):
+    """The benchmark's middle column through the runner is trusted: vllm-omni's own runner (no
+    `diffusion_model_runner_cls`: `ARDiffusionKVCache` over vLLM's KVCacheManager, `paged_write_attn`'s CPU reference
+    path) serves the same two sessions and reset within 1e-5 of the dense runner."""
+    inputs = {"a": lr.session_inputs(6, seed=1), "b": lr.session_inputs(2, seed=2)}
+    _, _, dense = _serve(omni, lr.DENSE_RUNNER, lambda: _plan(inputs))
+    runner, _, theirs = _serve(omni, None, lambda: _plan(inputs))
+    assert type(runner.kv_cache).__name__ == "ARDiffusionKVCache"
+    err = _max_err(theirs, dense)
+    print(f"[figure] LingBot-World through vllm-omni's own runner vs dense: max abs error {err:.2e}")
+    assert err <= 1e-5, err
