@@ -734,21 +734,22 @@ def lingbot_rows(*, repeats: int, threads: int, inductor: bool = True) -> list[d
 LB_TICKS = 4  # realtime ticks of one LingBot-World session through the runner (one AR block each)
 
 
-def lingbot_runner_rows(*, repeats: int, threads: int) -> list[dict]:
+def lingbot_runner_rows(*, repeats: int, threads: int, inductor: bool = True) -> list[dict]:
     """LingBot-World behind vllm-omni's `ARDiffusionModelRunner` (its tick path: `LingBotWorldCausalDMDPipeline.forward`
     over a tiny transformer, tests/upstream/lingbot_runner.py): the dense oracle runner (LingBot's own cache per
     session), vllm-omni's own runner (`ARDiffusionKVCache`, `paged_write_attn`), ours (`diffusion_model_runner_cls`,
-    blocks compiled `backend="paged_kv"`, aot_eager inside). A fresh session of `LB_TICKS` ticks per pass: the first
+    blocks compiled `backend="paged_kv"`, aot_eager inside, and with `inductor` Inductor inside). A fresh session of `LB_TICKS` ticks per pass: the first
     request of the first pass compiles (first request s), the steady figure is the median tick of later passes."""
     omni, _, _, _ = _harness()
     from paged_kv_compile.adapters.vllm_omni_ar_runner import RUNNER_PATH
     from upstream import lingbot_runner as lr
 
     inputs = lr.session_inputs(LB_TICKS, seed=1)
-    runners = {"dense": lr.DENSE_RUNNER, "vllm-omni": None, "paged_kv": RUNNER_PATH}
+    runners = [("dense", lr.DENSE_RUNNER, None), ("vllm-omni", None, None), ("paged_kv", RUNNER_PATH, "aot_eager")]
+    runners += [("paged_kv", RUNNER_PATH, "inductor")] if inductor else []
     rows, oracle = [], None
-    for column, path in runners.items():
-        model_config = {"paged_kv": {"inner_compiler": "aot_eager"}} if column == "paged_kv" else None
+    for column, path, inner in runners:
+        model_config = {"paged_kv": {"inner_compiler": inner}} if inner else None
         od = lr.diffusion_config(runner_cls=path, model_config=model_config)
         with bench_settings(threads=threads), omni.model_context(od), torch.no_grad():
             _fresh_dynamo()
@@ -769,7 +770,8 @@ def lingbot_runner_rows(*, repeats: int, threads: int) -> list[dict]:
                 outs = latents if outs is None else outs
                 same = all(torch.equal(a, b) for a, b in zip(latents, outs))
         oracle = outs if oracle is None else oracle
-        rows.append({"column": column, "kv_cache": type(runner.kv_cache).__name__, "ticks": len(outs),
+        rows.append({"column": column, "mode": f"compiled ({inner})" if inner else "eager",
+                     "kv_cache": type(runner.kv_cache).__name__, "ticks": len(outs),
                      "max_abs_err_vs_dense_runner": max((a - b).abs().max().item() for a, b in zip(outs, oracle)),
                      "first_request_s": round(first_request_s, 2), "ms_per_tick": _median(tick_ms),
                      "repeat_equals_first": same})
@@ -783,7 +785,8 @@ def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1, dreamze
     windows = frames_by_window() if compile_too and not dreamzero_only else []
     hy, probe = ([], None) if dreamzero_only else hunyuan_rows(repeats=repeats, threads=threads)
     lingbot = [] if dreamzero_only else lingbot_rows(repeats=repeats, threads=threads, inductor=compile_too)
-    lingbot_runner = [] if dreamzero_only else lingbot_runner_rows(repeats=repeats, threads=threads)
+    lingbot_runner = [] if dreamzero_only else lingbot_runner_rows(repeats=repeats, threads=threads,
+                                                                    inductor=compile_too)
     return {
         "benchmark": "vs_vllm_omni", "machine": machine_info(threads=threads, repeats=repeats),
         "dreamzero": dz, "dreamzero_batched_sessions": batched,
@@ -853,7 +856,8 @@ def print_report(result: dict) -> None:
         ("repeat == first", "repeat_equals_first")]))
     print(f"\nLingBot-World behind vllm-omni's ARDiffusionModelRunner (tiny, fp32, sessions of {LB_TICKS} ticks)")
     print(format_table(result["lingbot_world_runner"], [
-        ("column", "column"), ("kv_cache", "kv_cache"), ("max |x-dense|", "max_abs_err_vs_dense_runner"),
+        ("column", "column"), ("mode", "mode"), ("kv_cache", "kv_cache"),
+        ("max |x-dense|", "max_abs_err_vs_dense_runner"),
         ("first request s", "first_request_s"), ("ms/tick", "ms_per_tick"), ("ticks", "ticks"),
         ("repeat == first", "repeat_equals_first")]))
     print("\nCapabilities (checked in vllm-omni 0.30.0's code)")
