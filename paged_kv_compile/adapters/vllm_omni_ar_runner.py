@@ -19,6 +19,12 @@ None (the pool stores `od_config.dtype`) or "float8_e4m3fn" / "float8_e5m2" (an 
 layer and kv head); `kv_scales` {"k": ..., "v": ...}, each a float or a [num_layers][num_kv_heads] list (1.0 when
 absent), set before any session is admitted.
 
+Models: the session state is chosen by the pipeline's transformer (`vllm_omni_ar_lingbot.paged_kv_class`):
+LingBot-World's `CausalLingBotWorldTransformer3DModel` gets `LingBotPagedKV` (its cursor stand-ins, its sink checked
+before every forward; `max_num_seqs` 1 and `cuda_graphs` "none" only, since its pipeline neither batches requests nor
+declares warm-up requests), anything else DreamZero's `DreamZeroPagedKV`. Each names the block arguments dynamo
+must treat as values (`dynamic_sources`), which `execute_model` sets.
+
 Why this seam: vllm-omni's worker already resolves `od_config.diffusion_model_runner_cls` before the runner the
 engine declares (`diffusion/worker/diffusion_worker.py`, "explicit od_config.diffusion_model_runner_cls (user
 override)"), so a deployment selects this runner with one config line and vllm-omni stays unchanged. The
