@@ -738,8 +738,9 @@ def lingbot_runner_rows(*, repeats: int, threads: int, inductor: bool = True) ->
     """LingBot-World behind vllm-omni's `ARDiffusionModelRunner` (its tick path: `LingBotWorldCausalDMDPipeline.forward`
     over a tiny transformer, tests/upstream/lingbot_runner.py): the dense oracle runner (LingBot's own cache per
     session), vllm-omni's own runner (`ARDiffusionKVCache`, `paged_write_attn`), ours (`diffusion_model_runner_cls`,
-    blocks compiled `backend="paged_kv"`, aot_eager inside, and with `inductor` Inductor inside). A fresh session of `LB_TICKS` ticks per pass: the first
-    request of the first pass compiles (first request s), the steady figure is the median tick of later passes."""
+    blocks compiled `backend="paged_kv"`, aot_eager inside, and with `inductor` Inductor inside). A fresh session of
+    `LB_TICKS` ticks per pass: the first request of the first pass compiles (first request s), the steady figure is
+    the median tick of later passes."""
     omni, _, _, _ = _harness()
     from paged_kv_compile.adapters.vllm_omni_ar_runner import RUNNER_PATH
     from upstream import lingbot_runner as lr

@@ -386,12 +386,18 @@ class PagedKVSessionState:
                 f"AR-Diffusion expects frame-aligned seq_len (multiple of {self.kv_cache.spec.frame_seqlen}), "
                 f"got {seq_len}"
             )
+        forward = self._announce(kv_branch, int(seq_len), bool(commit_current))
+        return [_LayerContext(forward)] * self.num_layers
+
+    def _announce(self, kv_branch: str, seq_len: int, commit_current: bool) -> _BranchForward:
+        """The branch's next forward, replacing the one announced before (refused while a commit it ran waits for
+        `commit_paged_context`)."""
         pending = self._pending.get(kv_branch)
         if pending is not None and pending.commit_current and pending.started:
             raise RuntimeError("AR-Diffusion paged context replaced before its managed current chunk was committed")
-        forward = _BranchForward(self, kv_branch, int(seq_len), bool(commit_current))
+        forward = _BranchForward(self, kv_branch, seq_len, commit_current)
         self._pending[kv_branch] = forward
-        return [_LayerContext(forward)] * self.num_layers
+        return forward
 
     def prepare_paged_context(self, kv_branch: str, seq_len: int, commit_current: bool) -> list[_LayerContext]:
         return self.get_kv_caches(kv_branch, seq_len, commit_current)

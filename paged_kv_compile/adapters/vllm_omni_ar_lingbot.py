@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ConfigError, RequestError
 from ..families.dreamzero import DreamZeroSpec
-from .vllm_omni_ar_diffusion import DreamZeroPagedKV, PagedKVSessionState, _BranchForward
+from .vllm_omni_ar_diffusion import DreamZeroPagedKV, PagedKVSessionState
 
 #: LingBot's block arguments that only pick the cache branch: values for dynamo, one graph for every chunk
 DYNAMIC_SOURCES = ("L['current_start']", "L['self_cache'].last_start", "L['self_cache'].absolute_end")
@@ -125,11 +125,7 @@ class LingBotSessionState(PagedKVSessionState):
                 f"{spec.chunk_tokens} ({spec.chunk_frames} frames of {spec.frame_seqlen} tokens): the request's "
                 "resolution must be the runner's ar_diffusion_height/width")
         check_lingbot_sink(spec, self.kv_cache.transformer, spec.frame_seqlen, session=self.session_id)
-        pending = self._pending.get(kv_branch)
-        if pending is not None and pending.commit_current and pending.started:
-            raise RuntimeError("AR-Diffusion paged context replaced before its managed current chunk was committed")
-        forward = _BranchForward(self, kv_branch, int(seq_len), bool(commit_current))
-        self._pending[kv_branch] = forward
+        forward = self._announce(kv_branch, int(seq_len), bool(commit_current))
         self._start(forward, 0, int(seq_len))
         start = self._committed_chunks * spec.chunk_tokens
         key, value = self.kv_cache.standin[0], self.kv_cache.standin[1]

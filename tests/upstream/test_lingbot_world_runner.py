@@ -114,7 +114,8 @@ def test_lingbot_world_runner_refuses_what_it_cannot_serve_at_startup(omni, case
         if case == "spec_sink":
             spec = pipeline.ar_diffusion_kv_cache_spec()
             pipeline.ar_diffusion_kv_cache_spec = lambda: dataclasses.replace(spec, sink_frames=0, window_frames=3)
-        want = {"spec_sink": r"does not describe its LingBot transformer's cache: sink_frames \(spec 0, transformer 1\)",
+        want = {"spec_sink": r"does not describe its LingBot transformer's cache: "
+                             r"sink_frames \(spec 0, transformer 1\)",
                 "cuda_graphs": r"cuda_graphs needs the pipeline's warm-up requests",
                 "max_num_seqs": r"max_num_seqs=2: LingBot-World's pipeline serves one request per forward"}[case]
         with pytest.raises(ConfigError, match=want):
