@@ -133,3 +133,24 @@ def test_lingbot_world_vllm_omni_own_runner_matches_the_dense_runner(omni):
     err = _max_err(theirs, dense)
     print(f"[figure] LingBot-World through vllm-omni's own runner vs dense: max abs error {err:.2e}")
     assert err <= 1e-5, err
+
+
+def test_lingbot_world_fp8_runner_is_within_the_fp8_bound_of_the_fp32_dense_runner(omni):
+    """`kv_dtype: float8_e4m3fn` for LingBot (default scales 1.0): five ticks through the cache's slide within the FP8
+    tests' bound of the fp32 dense runner (tests/test_fp8_runtime.py: mean error < 0.1, max < 1.0 on outputs of mean
+    |x| about 1) and not equal to it (the pool really quantizes); its blocks cost under a third of the fp32 pool's
+    bytes per session."""
+    inputs = lr.session_inputs(5, seed=1)
+    _, _, dense = _serve(omni, lr.DENSE_RUNNER, lambda: lr.requests("a", inputs))
+    fp32, _, _ = _serve(omni, RUNNER_PATH, lambda: [], model_config=OURS)
+    torch._dynamo.reset()
+    runner, _, fp8 = _serve(omni, RUNNER_PATH, lambda: lr.requests("a", inputs),
+                            model_config={"paged_kv": {**OURS["paged_kv"], "kv_dtype": "float8_e4m3fn"}})
+    assert runner.kv_cache.runtime.pool.tensor.dtype == torch.float8_e4m3fn
+    assert runner.kv_cache.budget.kv_bytes_per_session * 3 < fp32.kv_cache.budget.kv_bytes_per_session
+    diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(fp8, dense)])
+    scale = torch.cat([b.abs().flatten() for b in dense]).mean().item()
+    print(f"[figure] LingBot-World FP8 e4m3 runner vs fp32 dense runner: max {diffs.max().item():.3e}, mean "
+          f"{diffs.mean().item():.3e} (dense mean |x| {scale:.3f})")
+    assert diffs.mean().item() < 0.1 and diffs.max().item() < 1.0
+    assert diffs.max().item() > 0, "the FP8 pool must actually quantize"
