@@ -659,6 +659,9 @@ CAPABILITIES = [
     {"capability": "one compiled frame per phase at every start frame",
      "vllm-omni": "no: current_start_frame is a specialized int under dynamic=False (see the frames column)",
      "paged_kv": "yes: it is a dynamic source (vllm_omni_ar_runner.execute_model)"},
+    {"capability": "LingBot-World behind vllm-omni's AR runner",
+     "vllm-omni": "its own paged mode under ARDiffusionEngine (lingbot_world/dmd_block.py: _paged_cache)",
+     "paged_kv": "yes, by diffusion_model_runner_cls (adapters.vllm_omni_ar_lingbot; see the runner table)"},
     {"capability": "HunyuanImage-3 paged KV on a CPU",
      "vllm-omni": "no: vLLM's GPU-runner BlockTables (pinned UVA buffers, Triton kernels vLLM disables "
                   "without a GPU driver); see the probe",
