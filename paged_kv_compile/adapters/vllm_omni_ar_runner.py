@@ -107,6 +107,10 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
             raise ConfigError(f"cuda_graphs={cuda_graphs!r} captures the warm-up requests' batch-1 shapes; with "
                               f"max_num_seqs={max_num_seqs} the batched forwards have shapes it never captured: "
                               "use cuda_graphs='none' with max_num_seqs > 1, or max_num_seqs=1")
+        if cuda_graphs != "none" and not isinstance(self.pipeline, SupportsARDiffusionWarmup):
+            raise ConfigError("cuda_graphs needs the pipeline's warm-up requests (ar_diffusion_warmup_requests) to "
+                              "know every shape it serves before the first request; this pipeline has none: use "
+                              "cuda_graphs='none'")
         kv_class = paged_kv_class(transformer)
         if kv_class is LingBotPagedKV and max_num_seqs > 1:
             raise ConfigError(f"max_num_seqs={max_num_seqs}: LingBot-World's pipeline serves one request per forward "
@@ -135,10 +139,6 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
         """Serve the pipeline's warm-up requests (compiling every bucket at every start frame they reach, their
         block calls recorded), release their session, then capture those calls and install the captures: from
         here on a forward replays and never compiles."""
-        if not isinstance(self.pipeline, SupportsARDiffusionWarmup):
-            raise ConfigError("cuda_graphs needs the pipeline's warm-up requests (ar_diffusion_warmup_requests) to "
-                              "know every shape it serves before the first request; this pipeline has none: use "
-                              "cuda_graphs='none'")
         transformer, runtime = self.pipeline.transformer, self.kv_cache.runtime
         sid = self._WARMUP_SID
         t0 = time.perf_counter()
