@@ -154,3 +154,24 @@ def test_lingbot_world_fp8_runner_is_within_the_fp8_bound_of_the_fp32_dense_runn
           f"{diffs.mean().item():.3e} (dense mean |x| {scale:.3f})")
     assert diffs.mean().item() < 0.1 and diffs.max().item() < 1.0
     assert diffs.max().item() > 0, "the FP8 pool must actually quantize"
+
+
+def test_lingbot_world_session_state_refuses_a_block_of_another_size_before_planning(omni):
+    """A block whose token count is not the session's chunk (a request at another resolution than the runner's
+    ar_diffusion_height/width) and an unknown KV branch are refused by the session state before the runtime plans a
+    forward; closing the session gives its blocks back."""
+    from paged_kv_compile.errors import RequestError
+
+    od = lr.diffusion_config(runner_cls=RUNNER_PATH, model_config=OURS)
+    with omni.model_context(od):
+        runner = lr.build_runner(od)
+    runtime = runner.kv_cache.runtime
+    state = runner.kv_cache.begin_session("x")
+    with pytest.raises(RequestError, match=r"LingBot block of 8 tokens, but session 'x' was sized for blocks of 4 "
+                                           r"\(1 frames of 4 tokens\)"):
+        state.get_kv_caches("main", seq_len=8)
+    with pytest.raises(RequestError, match=r"unknown KV branch 'negative'; this pipeline declares \('main',\)"):
+        state.get_kv_caches("negative", seq_len=4)
+    assert runtime.active is None and runtime.scheduler.in_flight is None and len(runtime.owner_ids()) == 1
+    state.close()
+    assert runtime.owner_ids() == [] and runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
