@@ -149,12 +149,17 @@ class DreamZeroPagedKV:
         )
         budget = plan_budget(ar_spec, spec, base, available_bytes=available_bytes, memory_fraction=memory_fraction,
                              rows=rows)
-        runtime = PagedKVRuntime(dataclasses.replace(base, blocks_per_layer=budget.blocks_per_layer))
+        runtime = cls.group_runtime(PagedKVRuntime(dataclasses.replace(base, blocks_per_layer=budget.blocks_per_layer)))
         _check_kernel(runtime, kernel, ar_spec)
         if kv_scales is not None:
             _set_scales(runtime, kv_scales)
         runtime.bind(transformer.blocks)
         return cls(runtime, ar_spec, spec, budget, transformer)
+
+    @classmethod
+    def group_runtime(cls, runtime: PagedKVRuntime) -> Any:
+        """The runtime the sessions use: this rank's own (here), or one whose decisions the ranks vote on."""
+        return runtime
 
     @classmethod
     def session_spec(cls, transformer, ar_spec) -> DreamZeroSpec:

@@ -22,6 +22,7 @@ Nothing here imports vllm or vllm-omni.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -95,6 +96,18 @@ class LingBotPagedKV(DreamZeroPagedKV):
                 "the pipeline's ARDiffusionKVCacheSpec does not describe its LingBot transformer's cache: "
                 + ", ".join(f"{k} (spec {a}, transformer {b})" for k, (a, b) in diff.items()))
         return spec
+
+    @classmethod
+    def group_runtime(cls, runtime):
+        """Under Ulysses (vllm-omni's model-parallel groups of more than one rank) a `RankRuntime`: every rank holds
+        its local heads of every token and takes each decision only when the group agrees on it."""
+        ps = sys.modules.get("vllm_omni.diffusion.distributed.parallel_state")
+        if ps is None or not ps.model_parallel_is_initialized():
+            return runtime
+        from ..distributed import ParallelConfig, RankRuntime
+
+        parallel = ParallelConfig.from_vllm_omni()
+        return runtime if parallel.model_parallel_size == 1 else RankRuntime(runtime, parallel)
 
     def begin_session(self, session_id: str) -> "LingBotSessionState":
         return LingBotSessionState(self, session_id)

@@ -112,5 +112,6 @@ def runner_task(runner_cls: str, model_config: dict | None = None) -> dict:
     runtime = getattr(runner.kv_cache, "runtime", None)
     if runtime is not None:
         out.update(pool_bytes=runtime.pool.nbytes, num_kv_heads=runtime.config.num_kv_heads,
-                   owners=len(runtime.owner_ids()), free=runtime.scheduler.allocator.num_free, state=runtime.state())
+                   owners=len(runtime.owner_ids()), free=runtime.scheduler.allocator.num_free, state=runtime.state(),
+                   voted=getattr(runtime, "calls", None))
     return out
