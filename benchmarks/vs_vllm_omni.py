@@ -659,6 +659,9 @@ CAPABILITIES = [
     {"capability": "one compiled frame per phase at every start frame",
      "vllm-omni": "no: current_start_frame is a specialized int under dynamic=False (see the frames column)",
      "paged_kv": "yes: it is a dynamic source (vllm_omni_ar_runner.execute_model)"},
+    {"capability": "LingBot-World behind vllm-omni's AR runner",
+     "vllm-omni": "its own paged mode under ARDiffusionEngine (lingbot_world/dmd_block.py: _paged_cache)",
+     "paged_kv": "yes, by diffusion_model_runner_cls (adapters.vllm_omni_ar_lingbot; see the runner table)"},
     {"capability": "HunyuanImage-3 paged KV on a CPU",
      "vllm-omni": "no: vLLM's GPU-runner BlockTables (pinned UVA buffers, Triton kernels vLLM disables "
                   "without a GPU driver); see the probe",
@@ -672,11 +675,12 @@ CAPABILITIES = [
 LB_BLOCKS = 5  # AR blocks of LingBot-World's DMD schedule (4 probes + 1 commit each): 25 transformer forwards
 
 
-def lingbot_rows(*, repeats: int, threads: int) -> list[dict]:
+def lingbot_rows(*, repeats: int, threads: int, inductor: bool = True) -> list[dict]:
     """LingBot-World (tiny `CausalLingBotWorldTransformer3DModel`, fp32) through its `LingBotDMDBlockRunner`, three
     ways: its request-local dense cache (eager, the oracle), vllm-omni's own paged path (`ARDiffusionKVState` over
     `ARDiffusionKVCache`, `paged_write_attn`, eager), ours (blocks compiled `backend="paged_kv"`, aot_eager inside,
-    the stand-in cursor of tests/upstream/lingbot_world.py). A fresh session per pass; the first pass compiles."""
+    and with `inductor` once more with Inductor inside; the stand-in cursor of tests/upstream/lingbot_world.py).
+    A fresh session per pass; the first pass compiles."""
     omni, _, _, _ = _harness()
     from helpers import CountingBackend
     from upstream import lingbot_world as lb
@@ -684,14 +688,15 @@ def lingbot_rows(*, repeats: int, threads: int) -> list[dict]:
     geometry = lb.TinyLingBot()
     inputs = lb.block_inputs(geometry, LB_BLOCKS)
     rows, oracle = [], None
-    for column in COLUMNS:
+    variants = [(c, "aot_eager") for c in COLUMNS] + ([("paged_kv", "inductor")] if inductor else [])
+    for column, inner in variants:
         with bench_settings(threads=threads), omni.model_context(), torch.no_grad():
             _fresh_dynamo()
             model = lb.build(geometry)
             backend = rt = None
             if column == "paged_kv":
                 rt = lb.paged_runtime(geometry, model)
-                backend = CountingBackend({"inner_compiler": "aot_eager", "strict": True})
+                backend = CountingBackend({"inner_compiler": inner, "strict": True})
                 for block in model.blocks:
                     block.compile(backend=backend, fullgraph=True, dynamic=False)
 
@@ -721,11 +726,59 @@ def lingbot_rows(*, repeats: int, threads: int) -> list[dict]:
                 again = one_pass(f"timed{r}")
                 per_forward.append(1e3 * (time.perf_counter() - t0) / len(again))
         oracle = outs if oracle is None else oracle
-        rows.append({"column": column, "mode": "compiled (aot_eager)" if backend else "eager", "forwards": len(outs),
+        rows.append({"column": column, "mode": f"compiled ({inner})" if backend else "eager", "forwards": len(outs),
                      "max_abs_err_vs_dense_eager": max((a - b).abs().max().item() for a, b in zip(outs, oracle)),
                      "frames": backend.frames if backend else 0, "first_pass_s": round(first_s, 2),
                      "ms_per_forward": _median(per_forward), "repeat_equals_first": all(
                          torch.equal(a, b) for a, b in zip(again, outs))})
+    return rows
+
+
+LB_TICKS = 4  # realtime ticks of one LingBot-World session through the runner (one AR block each)
+
+
+def lingbot_runner_rows(*, repeats: int, threads: int, inductor: bool = True) -> list[dict]:
+    """LingBot-World behind vllm-omni's `ARDiffusionModelRunner` (its tick path: `LingBotWorldCausalDMDPipeline.forward`
+    over a tiny transformer, tests/upstream/lingbot_runner.py): the dense oracle runner (LingBot's own cache per
+    session), vllm-omni's own runner (`ARDiffusionKVCache`, `paged_write_attn`), ours (`diffusion_model_runner_cls`,
+    blocks compiled `backend="paged_kv"`, aot_eager inside, and with `inductor` Inductor inside). A fresh session of
+    `LB_TICKS` ticks per pass: the first request of the first pass compiles (first request s), the steady figure is
+    the median tick of later passes."""
+    omni, _, _, _ = _harness()
+    from paged_kv_compile.adapters.vllm_omni_ar_runner import RUNNER_PATH
+    from upstream import lingbot_runner as lr
+
+    inputs = lr.session_inputs(LB_TICKS, seed=1)
+    runners = [("dense", lr.DENSE_RUNNER, None), ("vllm-omni", None, None), ("paged_kv", RUNNER_PATH, "aot_eager")]
+    runners += [("paged_kv", RUNNER_PATH, "inductor")] if inductor else []
+    rows, oracle = [], None
+    for column, path, inner in runners:
+        model_config = {"paged_kv": {"inner_compiler": inner}} if inner else None
+        od = lr.diffusion_config(runner_cls=path, model_config=model_config)
+        with bench_settings(threads=threads), omni.model_context(od), torch.no_grad():
+            _fresh_dynamo()
+            runner = lr.build_runner(od, available_bytes=1 << 30)
+            first_request_s, outs, tick_ms = None, None, []
+            for r in range(repeats + 1):
+                session = f"s{r}"
+                latents = []
+                for req in lr.requests(session, inputs):
+                    t0 = time.perf_counter()
+                    latents += lr.latents(lr.serve(runner, [req]))
+                    dt = time.perf_counter() - t0
+                    if first_request_s is None:
+                        first_request_s = dt
+                    elif r > 0:
+                        tick_ms.append(1e3 * dt)
+                runner.close_session(session)
+                outs = latents if outs is None else outs
+                same = all(torch.equal(a, b) for a, b in zip(latents, outs))
+        oracle = outs if oracle is None else oracle
+        rows.append({"column": column, "mode": f"compiled ({inner})" if inner else "eager",
+                     "kv_cache": type(runner.kv_cache).__name__, "ticks": len(outs),
+                     "max_abs_err_vs_dense_runner": max((a - b).abs().max().item() for a, b in zip(outs, oracle)),
+                     "first_request_s": round(first_request_s, 2), "ms_per_tick": _median(tick_ms),
+                     "repeat_equals_first": same})
     return rows
 
 
@@ -735,14 +788,16 @@ def run(*, compile_too: bool = True, repeats: int = 3, threads: int = 1, dreamze
     through_runner = dreamzero_runner_batched_sessions(repeats=repeats, threads=threads)
     windows = frames_by_window() if compile_too and not dreamzero_only else []
     hy, probe = ([], None) if dreamzero_only else hunyuan_rows(repeats=repeats, threads=threads)
-    lingbot = [] if dreamzero_only else lingbot_rows(repeats=repeats, threads=threads)
+    lingbot = [] if dreamzero_only else lingbot_rows(repeats=repeats, threads=threads, inductor=compile_too)
+    lingbot_runner = [] if dreamzero_only else lingbot_runner_rows(repeats=repeats, threads=threads,
+                                                                    inductor=compile_too)
     return {
         "benchmark": "vs_vllm_omni", "machine": machine_info(threads=threads, repeats=repeats),
         "dreamzero": dz, "dreamzero_batched_sessions": batched,
         "dreamzero_runner_batched_sessions": through_runner, "dreamzero_frames_by_window": windows,
         "dreamzero_memory_14b": dreamzero_memory(80, (0.1, 0.9)),
         "hunyuan": hy, "hunyuan_diffusion_kv_probe": probe, "hunyuan_memory_80b": hunyuan_memory(),
-        "capabilities": CAPABILITIES, "lingbot_world": lingbot,
+        "capabilities": CAPABILITIES, "lingbot_world": lingbot, "lingbot_world_runner": lingbot_runner,
     }
 
 
@@ -802,6 +857,12 @@ def print_report(result: dict) -> None:
     print(format_table(result["lingbot_world"], [
         ("column", "column"), ("mode", "mode"), ("max |x-dense|", "max_abs_err_vs_dense_eager"), ("frames", "frames"),
         ("ms/forward", "ms_per_forward"), ("forwards", "forwards"), ("first pass s", "first_pass_s"),
+        ("repeat == first", "repeat_equals_first")]))
+    print(f"\nLingBot-World behind vllm-omni's ARDiffusionModelRunner (tiny, fp32, sessions of {LB_TICKS} ticks)")
+    print(format_table(result["lingbot_world_runner"], [
+        ("column", "column"), ("mode", "mode"), ("kv_cache", "kv_cache"),
+        ("max |x-dense|", "max_abs_err_vs_dense_runner"),
+        ("first request s", "first_request_s"), ("ms/tick", "ms_per_tick"), ("ticks", "ticks"),
         ("repeat == first", "repeat_equals_first")]))
     print("\nCapabilities (checked in vllm-omni 0.30.0's code)")
     for c in result["capabilities"]:

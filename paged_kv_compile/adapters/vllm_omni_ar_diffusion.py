@@ -81,10 +81,22 @@ class _BlockPoolView:
 
 
 class DreamZeroPagedKV:
-    """The runner's `kv_cache`: our runtime sized for vllm-omni's `ARDiffusionKVCacheSpec` and budget."""
+    """The runner's `kv_cache`: our runtime sized for vllm-omni's `ARDiffusionKVCacheSpec` and budget.
 
-    def __init__(self, runtime: PagedKVRuntime, ar_spec: Any, spec: DreamZeroSpec, budget: KVBudget) -> None:
+    The pool, budget, branches and cross-attention K/V are the capability's, shared by every AR-Diffusion model; what
+    is per model is the session spec (`session_spec`), the session state (`begin_session`), the cache stand-in and
+    the block arguments dynamo must treat as values (`dynamic_sources`). This class serves DreamZero;
+    `vllm_omni_ar_lingbot.LingBotPagedKV` serves LingBot-World."""
+
+    #: the blocks' int arguments that are values, not shapes (torch.compiler.config.dynamic_sources entries)
+    dynamic_sources: tuple[str, ...] = (START_FRAME_SOURCE,)
+    #: whether the model writes its cache stand-in in place (a real buffer the passes stop writing), else zero-stride
+    writable_standin: bool = False
+
+    def __init__(self, runtime: PagedKVRuntime, ar_spec: Any, spec: DreamZeroSpec, budget: KVBudget,
+                 transformer: Any = None) -> None:
         self.runtime = runtime
+        self.transformer = transformer
         self.ar_spec = ar_spec
         self.spec = spec
         self.budget = budget
@@ -101,7 +113,8 @@ class DreamZeroPagedKV:
         self.manager = type("_Manager", (), {})()
         self.manager.block_pool = _BlockPoolView(runtime)
         self._owner_ids = itertools.count()
-        self.standin = runtime.standin(2, 1, spec.window_tokens, ar_spec.num_kv_heads, ar_spec.head_size)
+        self.standin = runtime.standin(2, 1, spec.window_tokens, ar_spec.num_kv_heads, ar_spec.head_size,
+                                       writable=self.writable_standin)
         self._batch_standins = {1: self.standin}
 
     # ---- construction -----------------------------------------------------------------------------
@@ -119,13 +132,7 @@ class DreamZeroPagedKV:
         sets its static scales (1.0 by default). `sessions_per_forward` > 1 sizes the scratch and the shape buckets
         for forwards that carry that many sessions' rows of one branch (`run_batched`). A kernel that cannot read
         the pool is refused here, naming why."""
-        spec = dreamzero_spec(transformer)
-        if ar_spec.tokens_per_frame != spec.frame_seqlen or ar_spec.num_layers != len(transformer.blocks):
-            raise ConfigError(
-                f"the pipeline's ARDiffusionKVCacheSpec ({ar_spec.num_layers} layers, {ar_spec.tokens_per_frame} "
-                f"tokens/frame) does not describe its transformer ({len(transformer.blocks)} blocks, "
-                f"{spec.frame_seqlen} tokens/frame)"
-            )
+        spec = cls.session_spec(transformer, ar_spec)
         block_size = block_size or spec.frame_seqlen
         if spec.frame_seqlen % block_size:
             raise ConfigError(f"block_size={block_size} must divide the frame ({spec.frame_seqlen} tokens)")
@@ -142,12 +149,30 @@ class DreamZeroPagedKV:
         )
         budget = plan_budget(ar_spec, spec, base, available_bytes=available_bytes, memory_fraction=memory_fraction,
                              rows=rows)
-        runtime = PagedKVRuntime(dataclasses.replace(base, blocks_per_layer=budget.blocks_per_layer))
+        runtime = cls.group_runtime(PagedKVRuntime(dataclasses.replace(base, blocks_per_layer=budget.blocks_per_layer)))
         _check_kernel(runtime, kernel, ar_spec)
         if kv_scales is not None:
             _set_scales(runtime, kv_scales)
         runtime.bind(transformer.blocks)
-        return cls(runtime, ar_spec, spec, budget)
+        return cls(runtime, ar_spec, spec, budget, transformer)
+
+    @classmethod
+    def group_runtime(cls, runtime: PagedKVRuntime) -> Any:
+        """The runtime the sessions use: this rank's own (here), or one whose decisions the ranks vote on."""
+        return runtime
+
+    @classmethod
+    def session_spec(cls, transformer, ar_spec) -> DreamZeroSpec:
+        """The spec every session of this pipeline is admitted with, refused where the pipeline's
+        `ARDiffusionKVCacheSpec` does not describe its transformer."""
+        spec = dreamzero_spec(transformer)
+        if ar_spec.tokens_per_frame != spec.frame_seqlen or ar_spec.num_layers != len(transformer.blocks):
+            raise ConfigError(
+                f"the pipeline's ARDiffusionKVCacheSpec ({ar_spec.num_layers} layers, {ar_spec.tokens_per_frame} "
+                f"tokens/frame) does not describe its transformer ({len(transformer.blocks)} blocks, "
+                f"{spec.frame_seqlen} tokens/frame)"
+            )
+        return spec
 
     # ---- sessions ---------------------------------------------------------------------------------
     def begin_session(self, session_id: str) -> "PagedKVSessionState":
@@ -366,12 +391,18 @@ class PagedKVSessionState:
                 f"AR-Diffusion expects frame-aligned seq_len (multiple of {self.kv_cache.spec.frame_seqlen}), "
                 f"got {seq_len}"
             )
+        forward = self._announce(kv_branch, int(seq_len), bool(commit_current))
+        return [_LayerContext(forward)] * self.num_layers
+
+    def _announce(self, kv_branch: str, seq_len: int, commit_current: bool) -> _BranchForward:
+        """The branch's next forward, replacing the one announced before (refused while a commit it ran waits for
+        `commit_paged_context`)."""
         pending = self._pending.get(kv_branch)
         if pending is not None and pending.commit_current and pending.started:
             raise RuntimeError("AR-Diffusion paged context replaced before its managed current chunk was committed")
-        forward = _BranchForward(self, kv_branch, int(seq_len), bool(commit_current))
+        forward = _BranchForward(self, kv_branch, seq_len, commit_current)
         self._pending[kv_branch] = forward
-        return [_LayerContext(forward)] * self.num_layers
+        return forward
 
     def prepare_paged_context(self, kv_branch: str, seq_len: int, commit_current: bool) -> list[_LayerContext]:
         return self.get_kv_caches(kv_branch, seq_len, commit_current)

@@ -19,6 +19,12 @@ None (the pool stores `od_config.dtype`) or "float8_e4m3fn" / "float8_e5m2" (an 
 layer and kv head); `kv_scales` {"k": ..., "v": ...}, each a float or a [num_layers][num_kv_heads] list (1.0 when
 absent), set before any session is admitted.
 
+Models: the session state is chosen by the pipeline's transformer (`vllm_omni_ar_lingbot.paged_kv_class`):
+LingBot-World's `CausalLingBotWorldTransformer3DModel` gets `LingBotPagedKV` (its cursor stand-ins, its sink checked
+before every forward; `max_num_seqs` 1 and `cuda_graphs` "none" only, since its pipeline neither batches requests nor
+declares warm-up requests), anything else DreamZero's `DreamZeroPagedKV`. Each names the block arguments dynamo
+must treat as values (`dynamic_sources`), which `execute_model` sets.
+
 Why this seam: vllm-omni's worker already resolves `od_config.diffusion_model_runner_cls` before the runner the
 engine declares (`diffusion/worker/diffusion_worker.py`, "explicit od_config.diffusion_model_runner_cls (user
 override)"), so a deployment selects this runner with one config line and vllm-omni stays unchanged. The
@@ -48,7 +54,8 @@ from ..backend import paged_kv_backend
 from ..errors import ConfigError
 from .vllm_omni_ar_batch import serve_batch
 from .vllm_omni_ar_capture import FrameCaptures, check_granularity, record_block_calls
-from .vllm_omni_ar_diffusion import START_FRAME_SOURCE, DreamZeroPagedKV, PagedKVSessionState, parse_kv_dtype
+from .vllm_omni_ar_diffusion import DreamZeroPagedKV, PagedKVSessionState, parse_kv_dtype
+from .vllm_omni_ar_lingbot import LingBotPagedKV, paged_kv_class
 
 from vllm_omni.diffusion.models.interface import supports_step_execution  # noqa: E402  (vllm-omni users only)
 from vllm_omni.experimental.ar_diffusion.capability import SupportsARDiffusionWarmup  # noqa: E402
@@ -68,9 +75,9 @@ def _options(od_config) -> dict:
     return raw
 
 
-def _dynamic_sources(existing: str) -> str:
+def _dynamic_sources(existing: str, sources: tuple[str, ...]) -> str:
     parts = [s for s in (existing or "").split(",") if s]
-    return ",".join(parts if START_FRAME_SOURCE in parts else [*parts, START_FRAME_SOURCE])
+    return ",".join([*parts, *(s for s in sources if s not in parts)])
 
 
 class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
@@ -100,7 +107,15 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
             raise ConfigError(f"cuda_graphs={cuda_graphs!r} captures the warm-up requests' batch-1 shapes; with "
                               f"max_num_seqs={max_num_seqs} the batched forwards have shapes it never captured: "
                               "use cuda_graphs='none' with max_num_seqs > 1, or max_num_seqs=1")
-        self.kv_cache = DreamZeroPagedKV.build(
+        if cuda_graphs != "none" and not isinstance(self.pipeline, SupportsARDiffusionWarmup):
+            raise ConfigError("cuda_graphs needs the pipeline's warm-up requests (ar_diffusion_warmup_requests) to "
+                              "know every shape it serves before the first request; this pipeline has none: use "
+                              "cuda_graphs='none'")
+        kv_class = paged_kv_class(transformer)
+        if kv_class is LingBotPagedKV and max_num_seqs > 1:
+            raise ConfigError(f"max_num_seqs={max_num_seqs}: LingBot-World's pipeline serves one request per forward "
+                              "(its _parse_request refuses request batches); use max_num_seqs=1")
+        self.kv_cache = kv_class.build(
             transformer, spec,
             available_bytes=self._available_memory_bytes() if available_bytes is None else available_bytes,
             memory_fraction=self.ar_diffusion_kv_config.gpu_memory_fraction, dtype=self.od_config.dtype,
@@ -124,10 +139,6 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
         """Serve the pipeline's warm-up requests (compiling every bucket at every start frame they reach, their
         block calls recorded), release their session, then capture those calls and install the captures: from
         here on a forward replays and never compiles."""
-        if not isinstance(self.pipeline, SupportsARDiffusionWarmup):
-            raise ConfigError("cuda_graphs needs the pipeline's warm-up requests (ar_diffusion_warmup_requests) to "
-                              "know every shape it serves before the first request; this pipeline has none: use "
-                              "cuda_graphs='none'")
         transformer, runtime = self.pipeline.transformer, self.kv_cache.runtime
         sid = self._WARMUP_SID
         t0 = time.perf_counter()
@@ -144,7 +155,8 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
         graphs = FrameCaptures(transformer.blocks, runtime, examples)
         # The capture runs the frames the warm-up requests compiled (record_block_calls); serving replays and calls
         # dynamo no more.
-        with torch.compiler.config.patch(dynamic_sources=_dynamic_sources(torch.compiler.config.dynamic_sources)):
+        sources = _dynamic_sources(torch.compiler.config.dynamic_sources, self.kv_cache.dynamic_sources)
+        with torch.compiler.config.patch(dynamic_sources=sources):
             graphs.warmup()
         graphs.install()
         self.graphs = graphs
@@ -164,7 +176,8 @@ class PagedKVARDiffusionModelRunner(ARDiffusionModelRunner):
             self._sessions[session_id].end_invocation()
 
     def _compile_settings(self) -> contextlib.AbstractContextManager:
-        sources = _dynamic_sources(torch.compiler.config.dynamic_sources)
+        model_sources = self.kv_cache.dynamic_sources if self.kv_cache is not None else ()
+        sources = _dynamic_sources(torch.compiler.config.dynamic_sources, model_sources)
         stack = contextlib.ExitStack()
         stack.enter_context(torch.compiler.config.patch(dynamic_sources=sources))
         if self.graphs is not None:

@@ -77,3 +77,41 @@ def one_rank_dense() -> list[torch.Tensor]:
         dense = lb.Recorder(model)
         lb.rollout(dense, lb.dense_cache(model, geometry, inputs["prompt_embeds"]), geometry, inputs)
     return dense.outputs
+
+
+# ---- behind vllm-omni's AR-Diffusion runner ---------------------------------------------------------------------
+
+
+def runner_plan() -> list:
+    """The ticks every rank serves: session "a" through 4 ticks (the cache slides past its sink), then a reset and
+    one more tick (fresh request objects: the runner seeds their generators in place)."""
+    from . import lingbot_runner as lr
+
+    inputs = lr.session_inputs(5, seed=1)
+    return [*lr.requests("a", inputs[:4]), *lr.requests("a", inputs[4:], reset=True, seed=7)]
+
+
+def runner_task(runner_cls: str, model_config: dict | None = None) -> dict:
+    """This rank's runner (`runner_cls`) serving LingBot-World's tick path with vllm-omni's Ulysses hooks applied to
+    the transformer (as its registry applies them at load), before the runner compiles and binds it."""
+    from torch._dynamo.utils import counters
+
+    from . import lingbot_runner as lr
+
+    lr.install()
+    torch._dynamo.reset()
+    counters.clear()
+    od = lr.diffusion_config(runner_cls=runner_cls, model_config=model_config)
+    with vllm_omni_cpu.model_context(od), torch.no_grad():
+        pipeline = lr.build_pipeline(od)
+        _sequence_parallel(pipeline.transformer)
+        runner = lr.dr.build_runner(pipeline, od, available_bytes=1 << 26)
+        latents = lr.latents(lr.serve(runner, runner_plan()))
+    out = {"latents": latents, "heads": pipeline.transformer.blocks[0].self_attn.num_sp_heads,
+           "frames": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+    runtime = getattr(runner.kv_cache, "runtime", None)
+    if runtime is not None:
+        out.update(pool_bytes=runtime.pool.nbytes, num_kv_heads=runtime.config.num_kv_heads,
+                   owners=len(runtime.owner_ids()), free=runtime.scheduler.allocator.num_free, state=runtime.state(),
+                   voted=getattr(runtime, "calls", None))
+    return out

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from paged_kv_compile.adapters.vllm_omni_ar_lingbot import check_lingbot_sink
 from paged_kv_compile.config import PagedKVConfig
 from paged_kv_compile.families.dreamzero import DreamZeroSpec
 from paged_kv_compile.runtime import PagedKVRuntime
@@ -177,13 +178,9 @@ class Recorder:
 
 
 def check_sink(runtime: PagedKVRuntime, owner: str, model, frame_tokens: int) -> None:
-    """The session's sink must be the model's (`config.sink_size` frames): the graph cannot show it, and another
-    sink would keep other history than LingBot's cache does. Checked before every forward."""
-    spec = runtime.owner(owner).spec
-    want = model.config.sink_size * frame_tokens
-    if spec.sink_tokens != want:
-        raise ValueError(f"session {owner!r} keeps a {spec.sink_tokens}-token sink but the LingBot model's is {want} "
-                         "tokens (config.sink_size frames): admit it with DreamZeroSpec.from_lingbot_world(model, h, w)")
+    """The package's check (`adapters.vllm_omni_ar_lingbot.check_lingbot_sink`, which the runner adapter runs before
+    every forward) on this hand-driven session, before every forward."""
+    check_lingbot_sink(runtime.owner(owner).spec, model, frame_tokens, session=owner)
 
 
 def present(cache, current_start: int, chunk: int) -> None:
