@@ -13,8 +13,8 @@ branch keeps `sink` tokens and the most recent `C - sink - chunk`).
 What the graph shows is "the cache's first C - chunk slots, then the chunk" (and, on a commit, the attended keys
 copied back into those slots in order: `writes.writes_back_attended`); which tokens the slots hold, and so the sink,
 is the driver's cursor, not the graph's. The runtime supplies its window, so the session's spec must carry the
-model's sink (`DreamZeroSpec.from_lingbot_world`; tests/upstream/lingbot_world.py refuses another before any
-forward: with another sink the numbers differ once the window slides).
+model's sink (`DreamZeroSpec.from_lingbot_world`; `adapters/vllm_omni_ar_lingbot.check_lingbot_sink` refuses another
+before any forward: with another sink the numbers differ once the window slides).
 """
 
 from __future__ import annotations
