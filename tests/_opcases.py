@@ -27,6 +27,7 @@ class Case:
     scale: float
     k_logical: list[torch.Tensor]
     v_logical: list[torch.Tensor]
+    kv_gap: torch.Tensor | None = None  # int32 [R, 2]: the keys [start, end) each row hides
 
     def args(self, pool: torch.Tensor | None = None) -> tuple:
         """Positional args of write_attend (without scale/kernel), on `pool` or the case's own pool."""
@@ -74,6 +75,7 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     meta_layout: str = "contiguous",
     ascending_blocks: bool = False,
+    gaps: list[tuple[int, int]] | None = None,
 ) -> Case:
     """One geometry. Row r has prefixes[r] history tokens and new_counts[r] new ones (<= tokens).
 
@@ -84,6 +86,7 @@ def make_case(
     "transposed" also stores the 2-D ones column-major.
     ascending_blocks hands out blocks in order (row 0 gets 0, 1, ..., row 1 the next ones), as a fresh
     pool does; by default they are shuffled, as in a busy pool.
+    gaps[r] = (start, end) hides row r's keys [start, end) (the op's kv_gap), clipped to the row's length.
     """
     gen = torch.Generator().manual_seed(seed)
     R, T, B, D, Hq = len(prefixes), tokens, block_size, head_dim, hkv * ratio
@@ -141,7 +144,11 @@ def make_case(
         table = strided_view(table, other, col_major)
         seq_lens = strided_view(seq_lens, 0)
         ends = strided_view(ends, M * B, col_major)
-    return Case(query, key, value, pool, slots, table, seq_lens, ends, scale, k_log, v_log)
+    kv_gap = None
+    if gaps is not None:
+        clipped = [(min(a, b, s), min(b, s)) for (a, b), s in zip(gaps, seq)]
+        kv_gap = torch.tensor(clipped, dtype=torch.int32).view(R, 2)
+    return Case(query, key, value, pool, slots, table, seq_lens, ends, scale, k_log, v_log, kv_gap)
 
 
 def dense_oracle(case: Case) -> torch.Tensor:
@@ -159,10 +166,15 @@ def dense_oracle(case: Case) -> torch.Tensor:
     v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
     end = torch.minimum(case.kv_visible_end, case.seq_lens.view(-1, 1))
     mask = torch.arange(L) < end.unsqueeze(-1)  # [R, T, L]
+    if case.kv_gap is not None:
+        for r, (start, stop) in enumerate(case.kv_gap.tolist()):
+            mask[r, :, start:stop] = False
+    seen = mask.any(-1)
+    mask[:, :, 0] |= ~seen  # a dummy key for queries that see nothing (zeroed below): no NaN from SDPA
     out = F.scaled_dot_product_attention(
         case.query.float().transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=case.scale
     ).transpose(1, 2)
-    return torch.where((end > 0)[:, :, None, None], out, torch.zeros(()))
+    return torch.where(seen[:, :, None, None], out, torch.zeros(()))
 
 
 def expected_pool(case: Case, before: torch.Tensor) -> torch.Tensor:

@@ -93,18 +93,38 @@ def _write_row_runs(flat: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return True
 
 
-def visible_mask(seq_lens: torch.Tensor, kv_visible_end: torch.Tensor, length: int) -> torch.Tensor:
-    """Boolean ``[R, T, length]``: query (r, t) sees logical key p iff p < min(visible_end, seq_len)."""
+def visible_mask(seq_lens: torch.Tensor, kv_visible_end: torch.Tensor, length: int,
+                 kv_gap: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean ``[R, T, length]``: query (r, t) sees logical key p iff p < min(visible_end, seq_len) and p is
+    not in the row's gap ``[kv_gap[r, 0], kv_gap[r, 1])``. `positions` (``[length]``) are the logical keys the
+    columns stand for, ``arange(length)`` by default."""
     end = torch.minimum(kv_visible_end, seq_lens.view(-1, 1))
-    return torch.arange(length, device=end.device) < end.unsqueeze(-1)
+    p = torch.arange(length, device=end.device) if positions is None else positions
+    mask = p < end.unsqueeze(-1)
+    if kv_gap is not None:
+        start, stop = kv_gap[:, 0].view(-1, 1, 1), kv_gap[:, 1].view(-1, 1, 1)
+        mask &= (p < start) | (p >= stop)
+    return mask
 
 
-def zero_padded_queries(attn: torch.Tensor, seq_lens: torch.Tensor, kv_visible_end: torch.Tensor) -> torch.Tensor:
-    """Contiguous ``[R, T, Hq, D]`` copy of `attn` with exact zeros where a query sees no key.
+def visible_counts(seq_lens: torch.Tensor, kv_visible_end: torch.Tensor,
+                   kv_gap: torch.Tensor | None = None) -> torch.Tensor:
+    """``[R, T]``: how many keys each query sees (its visible prefix less the part of the gap inside it)."""
+    end = torch.minimum(kv_visible_end, seq_lens.view(-1, 1)).clamp(min=0)
+    if kv_gap is None:
+        return end
+    start, stop = kv_gap[:, :1], kv_gap[:, 1:]
+    return end - (torch.minimum(stop, end) - torch.minimum(start, end)).clamp(min=0)
+
+
+def zero_padded_queries(attn: torch.Tensor, seq_lens: torch.Tensor, kv_visible_end: torch.Tensor,
+                        kv_gap: torch.Tensor | None = None) -> torch.Tensor:
+    """Contiguous ``[R, T, Hq, D]`` copy of `attn` with exact zeros where a query sees no key (a query whose
+    visible keys all lie in the row's gap included).
 
     Uses masked_fill, not a multiply, so NaN a vendor kernel may give a fully masked row never leaks.
     """
-    empty = torch.minimum(kv_visible_end, seq_lens.view(-1, 1)) <= 0
+    empty = visible_counts(seq_lens, kv_visible_end, kv_gap) <= 0
     out = attn.new_empty(attn.shape)  # contiguous: the fake kernel promises these strides
     return out.copy_(attn).masked_fill_(empty[:, :, None, None], 0)
 
@@ -155,26 +175,40 @@ def attend(
     scale: float,
     visibility: str = "general",
     row_scales: torch.Tensor | None = None,
+    kv_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [R, T, Hq, D]`` over each row's blocks; zeros for queries that see nothing.
 
     `visibility` is the vendor kernels' hint; this kernel computes any layout and ignores it. FP8
-    pools are dequantized to the query's dtype with ``row_scales [2, R, Hkv]``.
+    pools are dequantized to the query's dtype with ``row_scales [2, R, Hkv]``. Keys in a row's
+    ``kv_gap`` span are masked out.
     """
     R, T, Hq, D = query.shape
     _, _, B, Hkv, _ = kv_pool.shape
     if HOST_LENGTHS_ON_CPU and query.device.type == "cpu" and R:
-        return _attend_used_span(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, row_scales)
+        return _attend_used_span(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, row_scales, kv_gap)
     M = block_table.shape[1]
     kv = _gather(kv_pool, block_table.reshape(-1), row_scales).view(2, R, M * B, Hkv, D)
     kv = _dequantized(kv, row_scales, query.dtype).transpose(2, 3)
-    mask = visible_mask(seq_lens, kv_visible_end, M * B)
+    mask = visible_mask(seq_lens, kv_visible_end, M * B, kv_gap)
     # A query that sees nothing gets key 0 as a dummy (softmax stays finite); its output is zeroed below.
     mask[:, :, 0] |= ~mask.any(-1)
     attn = F.scaled_dot_product_attention(
         query.transpose(1, 2), kv[0], kv[1], attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=Hq != Hkv
     )
-    return zero_padded_queries(attn.transpose(1, 2), seq_lens, kv_visible_end)
+    return zero_padded_queries(attn.transpose(1, 2), seq_lens, kv_visible_end, kv_gap)
+
+
+def skipped_blocks(gap: np.ndarray, seq: np.ndarray, block_size: int) -> tuple[int, int]:
+    """``(lo, hi)``: the logical blocks ``[lo, hi)`` that lie wholly inside the gap of every row that holds
+    keys (host values ``gap [R, 2]``, ``seq [R]``); ``(0, 0)`` when there is no such block. Rows of length 0
+    see nothing and do not count."""
+    used = seq > 0
+    if not bool(used.any()):
+        return 0, 0
+    lo = int((-(-gap[used, 0] // block_size)).max())
+    hi = int((gap[used, 1] // block_size).min())
+    return (lo, hi) if hi > lo else (0, 0)
 
 
 def _attend_used_span(
@@ -185,10 +219,12 @@ def _attend_used_span(
     kv_visible_end: torch.Tensor,
     scale: float,
     row_scales: torch.Tensor | None = None,
+    kv_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CPU path: lengths are host values here, so gather only the blocks in use (or view them in place,
-    `_span_view`), and drop the mask when every query sees its whole row (DreamZero's window) so SDPA
-    can take its fused kernel.
+    `_span_view`), skip the blocks that lie wholly inside every row's gap (`skipped_blocks`: a window's
+    evicted head, the blocks between a sink and its window), and drop the mask when every query sees its
+    whole row (DreamZero's window) so SDPA can take its fused kernel.
 
     The padded table width and the all-rows mask are what fixed shapes cost on a device that must not
     read lengths; on the CPU nothing is captured and reading them is free.
@@ -200,17 +236,29 @@ def _attend_used_span(
     if length == 0:
         return query.new_zeros(query.shape)
     blocks = -(-length // B)
-    kv = _span_view(kv_pool, block_table[:, :blocks].numpy()) if VIEW_RUNS else None
+    gap = None if kv_gap is None else kv_gap.numpy()
+    lo, hi = (0, 0) if gap is None else skipped_blocks(gap, seq, B)
+    if hi > lo:  # the kept columns: logical blocks [0, lo) and [hi, blocks)
+        table = torch.cat([block_table[:, :lo], block_table[:, hi:blocks]], 1)
+        positions = torch.cat([torch.arange(lo * B), torch.arange(hi * B, length)])
+    else:
+        table, positions = block_table[:, :blocks], None
+    kept = length - (hi - lo) * B
+    if kept == 0:  # every row's keys lie in its gap
+        return query.new_zeros(query.shape)
+    kv = _span_view(kv_pool, table.numpy()) if VIEW_RUNS else None
     if kv is None:
-        kv = _gather(kv_pool, block_table[:, :blocks].reshape(-1), row_scales).view(2, R, blocks * B, Hkv, D)
-    kv = _dequantized(kv[:, :, :length], row_scales, query.dtype).transpose(2, 3)
+        kv = _gather(kv_pool, table.reshape(-1), row_scales).view(2, R, table.shape[1] * B, Hkv, D)
+    kv = _dequantized(kv[:, :, :kept], row_scales, query.dtype).transpose(2, 3)
     full = bool((seq == length).all()) and bool((kv_visible_end.numpy() == length).all())
+    if gap is not None:  # the whole row is seen only if every gap is exactly the skipped blocks
+        full = full and bool((gap[:, 0] == lo * B).all() and (gap[:, 1] == hi * B).all())
     mask = None
     if not full:
-        mask = visible_mask(seq_lens, kv_visible_end, length)
+        mask = visible_mask(seq_lens, kv_visible_end, kept, kv_gap, positions)
         mask[:, :, 0] |= ~mask.any(-1)  # a query that sees nothing: dummy key 0, zeroed below
         mask = mask.unsqueeze(1)
     attn = F.scaled_dot_product_attention(
         query.transpose(1, 2), kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv
     ).transpose(1, 2)
-    return attn.contiguous() if full else zero_padded_queries(attn, seq_lens, kv_visible_end)
+    return attn.contiguous() if full else zero_padded_queries(attn, seq_lens, kv_visible_end, kv_gap)

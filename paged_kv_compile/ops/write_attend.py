@@ -14,6 +14,12 @@ hint on their devices gives wrong attention. With CPU tensors and ``CHECK_VALUES
 ``kv_scales`` (``KVPool.scales``, float32 ``[2, N, Hkv]``) goes with an FP8 pool and only with one:
 the op quantizes the new K/V into the pool and dequantizes what attention reads (ops/fp8.py). The
 scales are read, never written, so the pool stays the one mutated argument.
+
+``kv_gap`` (int32 ``[R, 2]``, optional) hides a span of each row's logical keys: p with
+``kv_gap[r, 0] <= p < kv_gap[r, 1]`` is not visible. It lets a row's visible keys start and end inside
+blocks: a recent window that starts ``o`` tokens into its first block is the gap ``(0, o)``; a sink of
+S tokens followed by such a window is ``(S, ceil(S / B) * B + o)``; no gap is ``(0, 0)`` or None.
+Query (r, t) sees p iff ``p < min(kv_visible_end[r, t], seq_lens[r])`` and p is not in the gap.
 """
 
 from __future__ import annotations
@@ -44,9 +50,11 @@ _LAYOUTS = {
     "block_table": (2, "[R, M]"),
     "seq_lens": (1, "[R]"),
     "kv_visible_end": (2, "[R, T]"),
+    "kv_gap": (2, "[R, 2]"),
 }
 _INT_DTYPES = {
     "slot_mapping": torch.int64, "block_table": torch.int32, "seq_lens": torch.int32, "kv_visible_end": torch.int32,
+    "kv_gap": torch.int32,
 }
 
 
@@ -62,10 +70,11 @@ def validate_inputs(
     kernel: str = "auto",
     visibility: str = "general",
     kv_scales: torch.Tensor | None = None,
+    kv_gap: torch.Tensor | None = None,
 ) -> None:
     """Shape, dtype, device and option checks: no host sync, so they also run on fake tensors.
 
-    ``key``, ``value`` and ``slot_mapping`` are None for the read-only ``attend``.
+    ``key``, ``value`` and ``slot_mapping`` are None for the read-only ``attend``; ``kv_gap`` None means no gap.
     """
     if kernel not in KERNELS:
         raise OpInputError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
@@ -73,7 +82,7 @@ def validate_inputs(
         raise OpInputError(f"unknown visibility {visibility!r}; choose one of {', '.join(VISIBILITIES)}")
     args = {
         "query": query, "key": key, "value": value, "kv_pool": kv_pool, "slot_mapping": slot_mapping,
-        "block_table": block_table, "seq_lens": seq_lens, "kv_visible_end": kv_visible_end,
+        "block_table": block_table, "seq_lens": seq_lens, "kv_visible_end": kv_visible_end, "kv_gap": kv_gap,
     }
     args = {name: t for name, t in args.items() if t is not None}
     for name, t in args.items():
@@ -98,6 +107,11 @@ def validate_inputs(
                 f"{name} is on {t.device} but query is on {query.device}; move every op input to one device"
             )
     _check_shapes(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end)
+    if kv_gap is not None and tuple(kv_gap.shape) != (query.shape[0], 2):
+        raise OpInputError(
+            f"kv_gap has shape {tuple(kv_gap.shape)}, expected [R, 2] = {(query.shape[0], 2)}: one (start, end) "
+            "of hidden keys per row, (0, 0) for a row without a gap"
+        )
 
 
 def _check_scales(kv_pool: torch.Tensor, kv_scales: torch.Tensor | None, device: torch.device) -> None:
@@ -162,13 +176,14 @@ def check_values(
     seq_lens: torch.Tensor,
     kv_visible_end: torch.Tensor,
     visibility: str = "general",
+    kv_gap: torch.Tensor | None = None,
 ) -> None:
     """Range checks on the metadata's values; they read tensors on the host (CPU use only).
 
     Valid values (every call the runtime makes) are confirmed with numpy on the host (`_values_ok`, ~60 us);
     the torch checks below, which name the first bad entry, run only when that finds something (they cost
     about 220 us a call at DreamZero's sizes, a few percent of a CPU attention)."""
-    if _values_ok(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility):
+    if _values_ok(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility, kv_gap):
         return
     _, N, B, _, _ = kv_pool.shape
     M, T = block_table.shape[1], query.shape[1]
@@ -193,9 +208,29 @@ def check_values(
         want = seq.expand(-1, T) if visibility == "full" else seq - T + t + 1
         _first_bad("kv_visible_end", kv_visible_end, (kv_visible_end > 0) & (kv_visible_end != want),
                    f"not what the visibility={visibility!r} hint promises; pass visibility='general'")
+    if kv_gap is not None:
+        _check_gap_values(kv_gap, seq_lens, kv_visible_end, visibility)
 
 
-def _values_ok(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility) -> bool:
+def _check_gap_values(kv_gap, seq_lens, kv_visible_end, visibility) -> None:
+    """``0 <= kv_gap[r, 0] <= kv_gap[r, 1] <= seq_lens[r]``, and what a causal hint promises with a gap."""
+    start, end = kv_gap[:, 0], kv_gap[:, 1]
+    for bad, why in (
+        (start < 0, "a negative start: a gap is a span [start, end) of the row's logical keys, (0, 0) for no gap"),
+        (end < start, "an end below its start: pass (start, end) with start <= end, (0, 0) for no gap"),
+        (end > seq_lens, "an end past seq_lens[r]: a gap hides keys the row holds; clip it to the row's length"),
+    ):
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0, 0])
+            raise OpInputError(f"kv_gap[{r}] = {tuple(kv_gap[r].tolist())} (seq_lens[{r}] = {int(seq_lens[r])}) has {why}")
+    if visibility == "causal":
+        has_gap = (end > start).view(-1, 1)
+        _first_bad("kv_visible_end", kv_visible_end, (kv_visible_end > 0) & has_gap & (kv_visible_end < start.view(-1, 1)),
+                   "below its row's kv_gap start: with visibility='causal' and a gap, a query that sees anything must "
+                   "see every key before the gap (a sink); pass visibility='general'")
+
+
+def _values_ok(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility, kv_gap=None) -> bool:
     """Whether `check_values` would pass, decided on numpy views of the host tensors; False also when a tensor
     has no numpy view (the caller then runs the torch checks, which decide and name the problem)."""
     try:
@@ -222,6 +257,16 @@ def _values_ok(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_e
     if visibility != "general":
         want = ends if visibility == "full" else ends - T + np.arange(T, dtype=ends.dtype) + 1
         if bool(((vis > 0) & (vis != want)).any()):
+            return False
+    if kv_gap is not None:
+        try:
+            gap = kv_gap.numpy()
+        except (RuntimeError, TypeError):
+            return False
+        start, end = gap[:, :1], gap[:, 1:]
+        if gap.size and (gap.min() < 0 or bool((end < start).any()) or bool((end > ends).any())):
+            return False
+        if visibility == "causal" and bool(((vis > 0) & (end > start) & (vis < start)).any()):
             return False
     return True
 
@@ -289,21 +334,24 @@ def _refuse_pool_aliases(kv_pool: torch.Tensor, **reads: torch.Tensor | None) ->
 
 
 def _run(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
-         kv_scales):
+         kv_scales, kv_gap):
     report_call()
     validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility,
-                    kv_scales)
+                    kv_scales, kv_gap)
     _refuse_pool_aliases(kv_pool, query=query, key=key, value=value, slot_mapping=slot_mapping,
-                         block_table=block_table, seq_lens=seq_lens, kv_visible_end=kv_visible_end, kv_scales=kv_scales)
+                         block_table=block_table, seq_lens=seq_lens, kv_visible_end=kv_visible_end, kv_scales=kv_scales,
+                         kv_gap=kv_gap)
     name = resolve_kernel(kernel, query, kv_pool, visibility)
     if CHECK_VALUES and query.device.type == "cpu":
-        check_values(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility)
+        check_values(query, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, visibility, kv_gap)
     module = kernels.get(name).load()  # a kernel module: write_kv(...) and attend(..., visibility)
-    # row_scales only for FP8 pools: a kernel that never serves one need not take the keyword.
-    scaled = {} if kv_scales is None else {"row_scales": row_scales(kv_scales, block_table)}
+    # row_scales only for FP8 pools, kv_gap only when given: a kernel need not take a keyword it never serves.
+    extra = {} if kv_scales is None else {"row_scales": row_scales(kv_scales, block_table)}
     if key is not None:
-        module.write_kv(kv_pool, key, value, slot_mapping, **scaled)
-    return module.attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, visibility, **scaled)
+        module.write_kv(kv_pool, key, value, slot_mapping, **extra)
+    if kv_gap is not None:
+        extra["kv_gap"] = kv_gap
+    return module.attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, visibility, **extra)
 
 
 @torch.library.custom_op("paged_kv::write_attend", mutates_args=("kv_pool",))
@@ -320,19 +368,20 @@ def write_attend(
     kernel: str = "auto",
     visibility: str = "general",
     kv_scales: torch.Tensor | None = None,
+    kv_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write key/value at their slots (skipping -1), then attend each query over its row's block table."""
     return _run(
         query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
-        kv_scales,
+        kv_scales, kv_gap,
     )
 
 
 @write_attend.register_fake
 def _write_attend_fake(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, scale,
-                       kernel="auto", visibility="general", kv_scales=None):
+                       kernel="auto", visibility="general", kv_scales=None, kv_gap=None):
     validate_inputs(query, key, value, kv_pool, slot_mapping, block_table, seq_lens, kv_visible_end, kernel, visibility,
-                    kv_scales)
+                    kv_scales, kv_gap)
     return query.new_empty(query.shape)
 
 
@@ -347,17 +396,18 @@ def attend(
     kernel: str = "auto",
     visibility: str = "general",
     kv_scales: torch.Tensor | None = None,
+    kv_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Read-only twin of write_attend for static regions: attend without writing."""
     return _run(query, None, None, kv_pool, None, block_table, seq_lens, kv_visible_end, scale, kernel, visibility,
-                kv_scales)
+                kv_scales, kv_gap)
 
 
 @attend.register_fake
 def _attend_fake(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, kernel="auto", visibility="general",
-                 kv_scales=None):
+                 kv_scales=None, kv_gap=None):
     validate_inputs(query, None, None, kv_pool, None, block_table, seq_lens, kv_visible_end, kernel, visibility,
-                    kv_scales)
+                    kv_scales, kv_gap)
     return query.new_empty(query.shape)
 
 
