@@ -200,3 +200,138 @@ def test_page_size_captured_rollout_replays_no_python_and_equals_dense():
     for key in ("video", "actions"):
         assert (dense[key] - paged[key]).abs().max().item() <= ATOL
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
+
+
+# ---- forks of a partly filled block, batched, FP8 ---------------------------------------------------------------
+# Frames of 5 tokens in blocks of 4, chunk 1 frame, window 3 frames with a 1-frame sink: after 3 commits the row
+# holds 15 tokens, its last block partly filled; the sink ends inside block 1.
+FORK_CFG = DreamZeroConfig(num_layers=2, frame_seqlen=5, num_frame_per_block=1, local_attn_size=3, sink_size=1,
+                           window_reset_frames=64, action_register_length=2, num_inference_steps=2)
+FORK_SPEC = DreamZeroSpec.from_model_config(FORK_CFG)
+
+
+def _fork_rig(max_rows: int, sessions: int, **kw):
+    model, dense = DreamZeroModel(FORK_CFG, seed=1), DreamZeroModel(FORK_CFG, seed=1)
+    rt = PagedKVRuntime(dreamzero_runtime_config(FORK_CFG, block_size=4, sessions=sessions, kernel="reference",
+                                                 inner_compiler="aot_eager", max_rows=max_rows, **kw))
+    rt.bind(model.blocks)
+    compile_blocks(model.blocks, CountingBackend())
+    return model, dense, rt
+
+
+def _inputs(seed: int, rows: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, FORK_CFG.chunk_tokens, FORK_CFG.in_channels, generator=g).expand(rows, -1, -1)
+    a = torch.randn(1, FORK_CFG.action_register_length, FORK_CFG.action_dim, generator=g).expand(rows, -1, -1)
+    return x, a
+
+
+def _cross(model, rows: int = 2):
+    ctx = torch.randn(1, FORK_CFG.text_len, FORK_CFG.text_dim, generator=torch.Generator().manual_seed(7))
+    return model.prepare_cross_kv(torch.cat([ctx, torch.zeros_like(ctx)]).repeat(rows // 2, 1, 1))
+
+
+def _paged(rt, model, sids, inputs, start, commit, t=0.0):
+    """One forward over the rows of `sids` (2 CFG rows each, batched when several); per session (video, actions)."""
+    x, a = torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs])
+    rows = x.shape[0]
+    caches = families.for_model(model).standin_caches(rt, model, rows)
+    with rt.forward_batch([(sid, "commit" if commit else "denoise") for sid in sids]):
+        video, act, _ = model(x, a, torch.full((rows,), t), start, caches, _cross(model, rows), update_kv_cache=commit)
+    return [(video[2 * k: 2 * k + 2], act[2 * k: 2 * k + 2]) for k in range(len(sids))]
+
+
+@pytest.mark.usefixtures("no_grad")
+def test_page_size_forks_of_a_partly_filled_block_copy_it_and_equal_dense():
+    """Three forks of a session whose last block is partly filled: each child gets its own copy of that block at
+    the fork (same K/V, nobody else holds it) and shares every full block; the children's candidate commits and a
+    denoising step run as the rows of ONE batched forward and equal the dense model continued from the parent's
+    caches; the parent, whose own next commit continues its original block, is undisturbed."""
+    K = 3
+    model, dense, rt = _fork_rig(max_rows=2 * K, sessions=K + 1)
+    rt.admit("p", FORK_SPEC)
+    caches = dense.dense_caches(2)
+    for chunk in range(3):
+        _paged(rt, model, ["p"], [_inputs(chunk)], chunk, commit=True)
+        _, _, caches = dense(*_inputs(chunk), torch.zeros(2), chunk, caches, _cross(dense), update_kv_cache=True)
+    parent = [list(r) for r in rt.scheduler.owners["p"].rows]
+    for k in range(K):
+        rt.fork("p", f"c{k}")
+    alloc, pool = rt.scheduler.allocator, rt.pool
+    for k in range(K):
+        child = rt.scheduler.owners[f"c{k}"].rows
+        for mine, theirs in zip(child, parent):
+            assert mine[:-1] == theirs[:-1] and mine[-1] != theirs[-1]  # the partial last block: a copy
+            assert alloc.refcount(mine[-1]) == 1 and alloc.refcount(mine[0]) == K + 1
+            bases = pool.layer_bases.tolist()
+            assert all(torch.equal(pool.tensor[:, b + mine[-1]], pool.tensor[:, b + theirs[-1]]) for b in bases)
+    worst, at_fork = 0.0, caches
+    children = [f"c{k}" for k in range(K)]
+    got = _paged(rt, model, children, [_inputs(100 + k) for k in range(K)], 3, commit=True)
+    wants = [dense(*_inputs(100 + k), torch.zeros(2), 3, at_fork, _cross(dense), update_kv_cache=True)
+             for k in range(K)]
+    worst = max(max((g - w).abs().max().item() for g, w in zip(got[k], wants[k][:2])) for k in range(K))
+    got = _paged(rt, model, children, [_inputs(200)] * K, 4, commit=False, t=500.0)
+    for k in range(K):
+        want = dense(*_inputs(200), torch.full((2,), 500.0), 4, wants[k][2], _cross(dense), update_kv_cache=False)
+        worst = max(worst, *((g - w).abs().max().item() for g, w in zip(got[k], want[:2])))
+    (got,) = _paged(rt, model, ["p"], [_inputs(300)], 3, commit=True)  # writes the tail of its original block
+    want = dense(*_inputs(300), torch.zeros(2), 3, at_fork, _cross(dense), update_kv_cache=True)
+    worst = max(worst, *((g - w).abs().max().item() for g, w in zip(got, want[:2])))
+    assert worst <= ATOL, worst
+    for sid in ["p", *children]:
+        rt.release(sid)
+    assert alloc.num_free == alloc.num_blocks
+
+
+def test_page_size_fork_budget_counts_the_copied_block():
+    """Forks with a budget of one commit reserve that commit's blocks plus their private copies. The parent holds 8
+    blocks (4 per row, then shared) and may take its whole reservation (12) on its own; each child copies 2 blocks
+    and may take 4: two children need 8 + 12 + 2 * 6 = 32. A pool of 32 admits both and every commit after; with 31
+    the second fork is refused and changes nothing (not counting the copies, 28 would have looked enough)."""
+    from paged_kv_compile import CapacityError
+
+    per_row = session_blocks_per_row(FORK_SPEC, 4)
+    assert per_row == 6
+    for blocks in (32, 31):
+        rt = PagedKVRuntime(PagedKVConfig(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4, max_rows=2,
+                                          blocks_per_layer=blocks, scratch_tokens_per_row=16))
+        rt.admit("p", FORK_SPEC)
+        for _ in range(3):
+            with rt.forward("p", "commit"):
+                pass
+        rt.fork("p", "c0", commits=1)
+        before = rt.state()
+        if blocks == 31:
+            with pytest.raises(CapacityError, match="reserves 6 blocks"):
+                rt.fork("p", "c1", commits=1)
+            assert rt.state() == before
+            continue
+        rt.fork("p", "c1", commits=1)
+        for sid in ("c0", "c1", *["p"] * 6):  # the parent slides its window on its own
+            with rt.forward(sid, "commit"):
+                pass
+
+
+@pytest.mark.parametrize("block", [4, 11])
+def test_page_size_fp8_pool_rollout_matches_page_equal_frame(block):
+    """An FP8 (e4m3) pool with pages of 4 tokens and with pages of one 11-token frame: the same stored values,
+    read in another order. Both stay near dense; their difference is measured against dense's."""
+    cfg = DreamZeroConfig(frame_seqlen=11, sink_size=1)
+    dense = dreamzero_rollout(DreamZeroModel(cfg, seed=1), num_chunks=6, num_inference_steps=1, seed=3)
+    model = DreamZeroModel(cfg, seed=1)
+    runtime = PagedKVRuntime(dreamzero_runtime_config(cfg, block_size=block, kernel="reference",
+                                                      kv_dtype=torch.float8_e4m3fn))
+    runtime.bind(model.blocks)
+    compile_blocks(model.blocks, CountingBackend({"inner_compiler": "aot_eager"}))
+    paged = paged_run(model, runtime, num_chunks=6, num_inference_steps=1, seed=3)
+    err = max((dense[k] - paged[k]).abs().max().item() for k in ("video", "actions"))
+    _FP8_ERRORS[block] = err, paged
+    assert 0 < err < 1.0  # the pool quantizes; a lost or doubled scale moves outputs by O(1)
+    if len(_FP8_ERRORS) == 2:
+        (e4, p4), (e11, p11) = _FP8_ERRORS[4], _FP8_ERRORS[11]
+        apart = max((p4[k] - p11[k]).abs().max().item() for k in ("video", "actions"))
+        assert apart <= max(e4, e11), (apart, e4, e11)
+
+
+_FP8_ERRORS: dict = {}
