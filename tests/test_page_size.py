@@ -335,3 +335,25 @@ def test_page_size_fp8_pool_rollout_matches_page_equal_frame(block):
 
 
 _FP8_ERRORS: dict = {}
+
+
+def test_page_size_pool_waste_arithmetic_at_the_real_geometries():
+    """`python -m benchmarks.page_size`'s arithmetic: at page = frame nothing is reserved beyond the loop's need;
+    at 64/128/256 (which divide neither 880 nor 1560) the partial blocks cost under one page per boundary."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.page_size import pool_waste
+
+    rows = pool_waste()
+    assert {(r["geometry"], r["page"]) for r in rows} == {(g, p) for g, f in (("DreamZero-14B", 880), ("832x480", 1560))
+                                                         for p in (f, 64, 128, 256)}
+    for r in rows:
+        assert r["tokens_per_row"] >= r["needed_tokens_per_row"]
+        if r["page_is_frame"]:
+            assert r["wasted_tokens_per_row"] == 0
+        else:
+            assert 0 <= r["wasted_tokens_per_row"] < 3 * r["page"]
