@@ -1,9 +1,11 @@
 """DreamZero: an autoregressive video world model with a sliding KV window per CFG branch.
 
-A session keeps a chunk-granular sliding window (plus an optional resident sink) of committed history
-per row. A commit forward writes the chunk into new managed blocks, which become history when it
-finishes (out-of-window blocks are freed); a denoising forward writes the chunk and the action tokens
-to per-row scratch and throws them away. The dense model reads its cache as one `(2, B, L, H, D)`
+A session keeps a sliding window (plus an optional resident sink) of committed history per row, as tokens in
+blocks of any size (`RowWindow`: a block may hold parts of several frames; a partly filled last block is continued
+by the next commit; a block is freed when none of its tokens is visible). A commit forward writes the chunk after
+the history (the rest of the last block, then new managed blocks), which becomes history when it finishes; a
+denoising forward writes the chunk and the action tokens after the history too (the last block's unused tail, then
+per-row scratch) and throws them away. One `kv_gap` per row hides what lies between the sink and the window. The dense model reads its cache as one `(2, B, L, H, D)`
 tensor per layer; in paged mode it gets a zero-stride stand-in of that shape.
 """
 
@@ -520,7 +522,8 @@ class DreamZeroFamily(Family):
 def _check_rolling_history(expect: RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
     """The session's visible history (per row of the forward) must be exactly what the frame's fill state reads."""
     for i, row in enumerate(plan.rows):
-        visible = int(row.arrays[2][0])  # `_row`: the forward's tokens follow the visible history
+        g0, g1 = row.kv_gap  # `_row`: the forward's tokens follow the history, of which the gap is not seen
+        visible = int(row.arrays[2][0]) - (g1 - g0)
         if visible != expect.history_tokens:
             raise RequestError(
                 f"this rolling-cache frame reads {expect.history_tokens} history tokens (its fill state: the cache "
