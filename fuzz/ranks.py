@@ -149,7 +149,8 @@ class RankWorld:
         self.cfg = dataclasses.replace(CFG, frame_seqlen=frame, num_frame_per_block=chunk, sink_size=sink)
         self.spec = DreamZeroSpec.from_model_config(self.cfg)
         self.other_spec = dataclasses.replace(self.spec, commit_action_tokens=0)  # a divergent admission
-        one = dreamzero_runtime_config(self.cfg, block_size=block, sessions=3, dtype=torch.float32, max_rows=4,  # batches of 2 owners
+        one = dreamzero_runtime_config(self.cfg, block_size=block, sessions=3, dtype=torch.float32,
+                                       max_rows=4,  # batches of 2 owners
                                        kv_dtype=torch.float8_e4m3fn if fp8 else None, cross_regions=4)
         cfg = self.parallel.rank_config(one)
         if small_pool and layout == "cfg" and self.rank == 1:  # less free memory on that GPU: room for 2 sessions

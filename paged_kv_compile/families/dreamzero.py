@@ -5,8 +5,9 @@ blocks of any size (`RowWindow`: a block may hold parts of several frames; a par
 by the next commit; a block is freed when none of its tokens is visible). A commit forward writes the chunk after
 the history (the rest of the last block, then new managed blocks), which becomes history when it finishes; a
 denoising forward writes the chunk and the action tokens after the history too (the last block's unused tail, then
-per-row scratch) and throws them away. One `kv_gap` per row hides what lies between the sink and the window. The dense model reads its cache as one `(2, B, L, H, D)`
-tensor per layer; in paged mode it gets a zero-stride stand-in of that shape.
+per-row scratch) and throws them away. One `kv_gap` per row hides what lies between the sink and the window.
+The dense model reads its cache as one `(2, B, L, H, D)` tensor per layer; in paged mode it gets a zero-stride
+stand-in of that shape.
 """
 
 from __future__ import annotations
@@ -207,11 +208,6 @@ class RowWindow:
     def held(self) -> int:
         """How many history blocks the row holds."""
         return self.sink_blocks + self.history_blocks - self.first_recent
-
-    @property
-    def visible(self) -> int:
-        """How many history tokens a forward sees."""
-        return self.sink_end + self.history - self.recent_start
 
     def logical(self, first_held_recent: int) -> tuple[int, tuple[int, int]]:
         """(logical end of the history, kv_gap) of a row whose table lists its sink blocks then its recent history
