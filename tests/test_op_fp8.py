@@ -208,7 +208,8 @@ def _fake_fa3(calls: list):
     import types
 
     def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False,
-                                page_table=None, q_descale=None, k_descale=None, v_descale=None, **kw):
+                                page_table=None, q_descale=None, k_descale=None, v_descale=None,
+                                return_softmax_lse=False, **kw):
         assert not kw
         assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn, "FA3 FP8 needs q, k, v in e4m3"
         R, T, Hq, D = q.shape
@@ -218,6 +219,7 @@ def _fake_fa3(calls: list):
         calls.append(dict(k_cache=k_cache, k_descale=k_descale))
         G = Hq // Hkv
         out = torch.empty(R, T, Hq, D)
+        lse = torch.full((R, Hq, T), float("inf"))  # +inf for an empty row, as FA3 returns
         for r in range(R):
             L = int(cache_seqlens[r])
             p = torch.arange(L)
@@ -227,7 +229,9 @@ def _fake_fa3(calls: list):
             qr = q[r].float() * q_descale[r].repeat_interleave(G)[None, :, None]
             s = torch.einsum("thd,lhd->htl", qr, k) * softmax_scale
             out[r] = torch.einsum("htl,lhd->thd", torch.softmax(s, -1), v) if L else 0.0
-        return out.to(torch.bfloat16)
+            if L:
+                lse[r] = torch.logsumexp(s, -1)
+        return (out.to(torch.bfloat16), lse) if return_softmax_lse else out.to(torch.bfloat16)
 
     module = types.ModuleType("flash_attn_interface")
     module.flash_attn_with_kvcache = flash_attn_with_kvcache
@@ -280,6 +284,32 @@ def test_flash_attn_3_gets_the_pools_fp8_halves_and_the_ops_row_scales_as_descal
     assert torch.equal(_bits(pool), _bits(ref_pool))
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
     assert out.dtype == torch.bfloat16
+
+
+def test_flash_attn_3_fp8_irregular_gap_splits_with_the_rows_descales(vendor):
+    """An FP8 pool with a gap on FA3: both split calls get the FP8 halves and the rows' scales as descales; the
+    merged result is the reference's on the query FA3 sees (its FP8 round trip), every part scoring that query."""
+    import sys
+
+    from paged_kv_compile.ops.flash_attn import quantize_query
+    from paged_kv_compile.ops.fp8 import dequantize, row_scales
+
+    calls: list = []
+    vendor.setitem(sys.modules, "flash_attn_interface", _fake_fa3(calls))
+    case = make_case(seed=61, hkv=2, ratio=2, block_size=4, tokens=4, prefixes=[15, 9], new_counts=[2, 4],
+                     modes=["full", "full"], right_aligned=True, dtype=torch.bfloat16, gaps=[(3, 10), (0, 2)])
+    pool, scales, _ = fp8_case(case, torch.float8_e4m3fn, low=0.01, high=0.03)
+    ref_pool = pool.clone()
+    out = write_attend(*case.args(pool), case.scale, "flash_attn", visibility="full", kv_scales=scales,
+                       kv_gap=case.kv_gap)
+    assert len(calls) == 2 and all(c["k_cache"].data_ptr() == pool[0].data_ptr() for c in calls)
+    assert all(torch.equal(c["k_descale"], row_scales(scales, case.block_table)[0]) for c in calls)
+    q8, q_descale = quantize_query(case.query.contiguous(), 2, torch.float8_e4m3fn)
+    q_seen = dequantize(q8, q_descale.repeat_interleave(2, 1)[:, None, :, None], torch.float32)
+    want = write_attend(q_seen, case.key.float(), case.value.float(), ref_pool, *case.args()[4:],
+                        case.scale, "reference", kv_scales=scales, kv_gap=case.kv_gap)
+    assert torch.equal(_bits(pool), _bits(ref_pool))
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
 
 
 def test_vendors_without_fp8_kv_are_refused_up_front(vendor):

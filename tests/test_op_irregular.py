@@ -17,6 +17,7 @@ from paged_kv_compile.ops import reference
 from paged_kv_compile.ops import write_attend as wa
 
 from _opcases import dense_oracle, expected_pool, make_case
+from test_op_reference import geometries
 
 write_attend = torch.ops.paged_kv.write_attend
 attend = torch.ops.paged_kv.attend
@@ -30,28 +31,11 @@ def sink_window_gap(sink: int, offset: int, block_size: int) -> tuple[int, int]:
 
 @st.composite
 def irregular_geometries(draw) -> dict:
-    rows = draw(st.integers(1, 3))
-    tokens = draw(st.integers(1, 5))
-    prefixes = draw(st.lists(st.integers(0, 20), min_size=rows, max_size=rows))
-    gaps = [tuple(sorted(draw(st.lists(st.integers(0, 26), min_size=2, max_size=2)))) for _ in range(rows)]
-    return dict(
-        seed=draw(st.integers(0, 2**31 - 1)),
-        hkv=draw(st.integers(1, 2)),
-        ratio=draw(st.sampled_from([1, 2, 4])),
-        head_dim=draw(st.sampled_from([4, 8])),
-        block_size=draw(st.sampled_from([1, 3, 4, 8])),
-        tokens=tokens,
-        prefixes=prefixes,
-        new_counts=draw(st.lists(st.integers(0, tokens), min_size=rows, max_size=rows)),
-        modes=draw(st.lists(st.sampled_from(["full", "causal", "random", "padded"]), min_size=rows, max_size=rows)),
-        right_aligned=draw(st.booleans()),
-        extra_width=draw(st.integers(0, 2)),
-        pad_random=draw(st.booleans()),
-        ascending_blocks=draw(st.booleans()),
-        layout=draw(st.sampled_from(["contiguous", "transposed", "sliced"])),
-        meta_layout=draw(st.sampled_from(["contiguous", "strided", "transposed"])),
-        gaps=gaps,
-    )
+    """test_op_reference's random geometries, with a gap per row (clipped to the row) and blocks in either order."""
+    geometry = draw(geometries())
+    rows = len(geometry["prefixes"])
+    gaps = [tuple(sorted(draw(st.lists(st.integers(0, 17), min_size=2, max_size=2)))) for _ in range(rows)]
+    return dict(geometry, gaps=gaps, ascending_blocks=draw(st.booleans()))
 
 
 def _check_against_dense(case, kernel: str = "reference") -> torch.Tensor:
@@ -249,3 +233,147 @@ def test_irregular_gap_compiles_in_one_frame_and_matches_eager():
         torch.testing.assert_close(want / 2, dense_oracle(case), atol=1e-5, rtol=0)
         assert torch.equal(case.pool, eager_case.pool)
     assert counter.frame_count == 1
+
+
+TRITON_GEOMETRIES = {
+    "gqa2, gaps inside and across blocks": dict(
+        seed=30, hkv=2, ratio=2, block_size=3, tokens=3, prefixes=[9, 0, 13], new_counts=[2, 0, 3],
+        modes=["random", "padded", "causal"], layout="transposed", gaps=[(2, 8), (0, 0), (0, 5)]),
+    "gqa4, block 1, gap hides a query's whole view": dict(
+        seed=31, hkv=1, ratio=4, block_size=1, tokens=4, prefixes=[3, 5], new_counts=[4, 1],
+        modes=["causal", "full"], layout="sliced", gaps=[(0, 5), (6, 6)]),
+    "mha, block 8, gap over several 32-key tiles": dict(
+        seed=32, hkv=2, ratio=1, head_dim=4, block_size=8, tokens=5, prefixes=[120, 70], new_counts=[3, 5],
+        modes=["full", "random"], right_aligned=True, extra_width=2, gaps=[(7, 101), (33, 64)]),
+}
+
+
+@pytest.mark.parametrize("meta_layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("name", list(TRITON_GEOMETRIES))
+def test_irregular_triton_matches_dense(name, meta_layout):
+    pytest.importorskip("triton")
+    case = make_case(**TRITON_GEOMETRIES[name], meta_layout=meta_layout)
+    if meta_layout == "transposed":  # the gap as a column-major view too
+        case.kv_gap = case.kv_gap.t().contiguous().t()
+    out = _check_against_dense(case, "triton")
+    empty = reference.visible_counts(case.seq_lens, case.kv_visible_end, case.kv_gap) <= 0
+    assert bool((out[empty] == 0).all()), "queries that see nothing give exact zeros"
+
+
+@pytest.mark.parametrize("block_size", [128, 256])
+def test_page_size_triton_sink_and_window_at_880(block_size):
+    """DreamZero's 880-token frames on pages of 128/256 through the Triton kernel: the sink-window gap, and the
+    tiles wholly in the gap are not read (they hold NaN, which a read would spread through the softmax)."""
+    pytest.importorskip("triton")
+    F_, B = 880, block_size
+    offset = (3 * F_) % B
+    sink_blocks = -(-F_ // B)
+    seq = sink_blocks * B + offset + 2 * F_
+    case = make_case(seed=B, hkv=1, ratio=2, head_dim=4, block_size=B, tokens=4, prefixes=[seq - 4],
+                     new_counts=[4], modes=["full"], right_aligned=True, extra_width=0,
+                     gaps=[sink_window_gap(F_, offset, B)])
+    start, stop = case.kv_gap[0].tolist()
+    planted = range(-(-start // 32) * 32, stop // 32 * 32)  # the 32-key tiles wholly in the gap
+    assert len(planted) >= 32
+    for p in planted:
+        case.pool[:, int(case.block_table[0, p // B]), p % B] = float("nan")
+    _check_against_dense(case, "triton")
+
+
+FP8_GAP_GEOMETRY = dict(seed=40, hkv=2, ratio=2, block_size=4, tokens=3, prefixes=[17, 0, 10], new_counts=[3, 0, 2],
+                        modes=["full", "padded", "causal"], right_aligned=True, gaps=[(5, 14), (0, 0), (0, 6)])
+
+
+@pytest.mark.parametrize("kernel, host_lengths", [("reference", True), ("reference", False), ("triton", True)],
+                         ids=["reference-cpu-used-span", "reference-device-path", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_irregular_gap_on_an_fp8_pool_matches_dense_over_the_round_trip(kernel, host_lengths, dtype, monkeypatch):
+    """FP8 row scales are those of the row's first table block, gap or not: exact against dense attention over
+    the quantize-dequantize round trip of every key."""
+    from _opcases import expected_fp8_pool, fp8_case
+
+    if kernel == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setattr(reference, "HOST_LENGTHS_ON_CPU", host_lengths)
+    case = make_case(**FP8_GAP_GEOMETRY)
+    pool, scales, oracle = fp8_case(case, dtype, seed=3)
+    before = pool.clone()
+    out = write_attend(*case.args(pool), case.scale, kernel, kv_scales=scales, kv_gap=case.kv_gap)
+    torch.testing.assert_close(out, dense_oracle(oracle), atol=1e-5, rtol=0)
+    assert torch.equal(pool.view(torch.uint8), expected_fp8_pool(case, before, scales).view(torch.uint8))
+
+
+@st.composite
+def frame_geometries(draw) -> dict:
+    """DreamZero-14B's 880-token and 832x480's 1560-token frames on pages of 64/128/256: a sink of one frame (or
+    none), a window of 1-2 frames slid by any number of frames (so it starts anywhere in a block), a chunk of
+    queries at the window's end; tiny heads keep it cheap on the CPU."""
+    frame = draw(st.sampled_from([880, 1560]))
+    B = draw(st.sampled_from([64, 128, 256]))
+    sink = draw(st.sampled_from([0, frame]))
+    window = draw(st.integers(1, 2)) * frame
+    offset = (draw(st.integers(1, 6)) * frame) % B  # where the window's first token lies in its block
+    kept_sink = -(-sink // B) * B
+    seq = kept_sink + offset + window
+    tokens = draw(st.integers(1, 4))
+    return dict(seed=draw(st.integers(0, 2**16)), hkv=1, ratio=draw(st.sampled_from([1, 2])), head_dim=4,
+                block_size=B, tokens=tokens, prefixes=[seq - tokens], new_counts=[tokens],
+                modes=[draw(st.sampled_from(["full", "causal"]))], right_aligned=True, extra_width=0,
+                ascending_blocks=draw(st.booleans()), gaps=[(sink, kept_sink + offset)])
+
+
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["cpu-used-span", "device-path"])
+@settings(max_examples=25, deadline=None)
+@given(geometry=frame_geometries())
+def test_page_size_property_at_dreamzero_and_832x480_frames(host_lengths, geometry):
+    previous, reference.HOST_LENGTHS_ON_CPU = reference.HOST_LENGTHS_ON_CPU, host_lengths
+    try:
+        _check_against_dense(make_case(**geometry))
+    finally:
+        reference.HOST_LENGTHS_ON_CPU = previous
+
+
+@pytest.mark.parametrize("sink", [0, 880], ids=["window", "sink-and-window"])
+def test_page_size_shared_gap_reads_without_a_mask_and_a_window_in_place(sink, monkeypatch):
+    """Rows that all hold the same keys less one shared gap, every query seeing them (DreamZero's window on pages
+    of 128 at 880-token frames): SDPA gets no mask; a window alone is read in place from inside its first
+    block (the keys SDPA reads are a view of the pool); the result is the dense one."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(reference.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append((a[1], kw.get("attn_mask"))) or real(*a, **kw))
+    F_, B = 880, 128
+    offset = (3 * F_) % B
+    gap = sink_window_gap(sink, offset, B) if sink else (0, offset)
+    seq = gap[1] + 2 * F_
+    case = make_case(seed=9, hkv=1, ratio=2, head_dim=4, block_size=B, tokens=3, prefixes=[seq - 3] * 2,
+                     new_counts=[3, 3], modes=["full", "full"], right_aligned=True, extra_width=0, pad_random=False,
+                     ascending_blocks=True, gaps=[gap, gap])
+    _check_against_dense(case)
+    key, mask = seen[0]
+    assert mask is None
+    in_pool = key.untyped_storage().data_ptr() == case.pool.untyped_storage().data_ptr()
+    assert in_pool == (sink == 0), "a window alone is a view of the pool; a sink and a window are joined (a copy)"
+
+
+def test_irregular_device_paths_read_no_gap_value_on_the_host():
+    """What a captured forward runs with a gap reads no value on the host: on meta tensors (which have none to
+    read, so any .item()/.tolist()/.numpy() raises) the reference kernel's device path and the flash-attn
+    split (spans, the torch-attended head, the LSE merge) run and give the right shapes."""
+    from paged_kv_compile.ops import gap_split
+
+    case = _base()
+    meta = {name: getattr(case, name).to("meta") for name in ("query", "pool", "block_table", "seq_lens",
+                                                               "kv_visible_end", "kv_gap")}
+    out = reference.attend(meta["query"], meta["pool"], meta["block_table"], meta["seq_lens"], meta["kv_visible_end"],
+                           case.scale, kv_gap=meta["kv_gap"])
+    assert out.device.type == "meta" and out.shape == case.query.shape
+    split = gap_split.split_around_gap(meta["block_table"], meta["seq_lens"], meta["kv_gap"], case.pool.shape[2])
+    ends = gap_split.query_ends(meta["seq_lens"], meta["kv_visible_end"])
+    head = gap_split.attend_head(meta["query"], meta["pool"], split, ends, case.scale)
+    R, T, Hq, _ = case.query.shape
+    part = (meta["query"].float(), torch.zeros(R, T, Hq, device="meta"), gap_split.sees_after(split, ends))
+    merged = gap_split.merge_by_lse([part, head])
+    assert merged.device.type == "meta" and merged.shape == case.query.shape

@@ -8,6 +8,8 @@ flash-attn expresses two visibility layouts: every query sees [0, seq_len) (non-
 bottom-right causal. Checking ``kv_visible_end`` against them needs a host sync, so the caller states
 the layout with the op's ``visibility`` hint ("full" or "causal"); "general" is refused here. The hint
 is verified on CPU tensors only (see write_attend.check_values). Padded queries are zeroed afterwards.
+A row's ``kv_gap`` (visible keys that start and end inside blocks) is served by split calls merged by their
+log-sum-exp (`attend`, ops/gap_split.py).
 
 FP8 pools (float8_e4m3fn only): FA3 alone reads FP8 caches, and only with an FP8 query of the same
 dtype. The adapter passes the op's own row scales as ``k_descale``/``v_descale`` ``(R, Hkv)`` (the
@@ -27,7 +29,9 @@ from typing import Callable
 
 import torch
 
-from .fp8 import is_fp8, quantize
+from . import gap_split
+from .flash_attn4 import flash_attn4_paged
+from .fp8 import dequantize, is_fp8, quantize
 from .reference import zero_padded_queries
 from .reference import write_kv  # noqa: F401  the dispatcher writes new K/V with <kernel module>.write_kv
 
@@ -36,21 +40,25 @@ DEVICE_TYPES = ("cuda",)
 
 
 def _kvcache_call(table_kw: str) -> Callable:
-    def call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, **descales):
-        return mod.flash_attn_with_kvcache(
+    def call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, return_lse=False, **descales):
+        # flash-attn 2 and 3: softmax_lse (R, Hq, T) with return_softmax_lse=True
+        result = mod.flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=seq_lens, softmax_scale=scale, causal=causal, **{table_kw: block_table},
-            **descales,
+            **({"return_softmax_lse": True} if return_lse else {}), **descales,
         )
+        return (result[0], result[1].transpose(1, 2)) if return_lse else result
 
     return call
 
 
-def _fa4_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, **descales):
+def _fa4_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, return_lse=False, **descales):
     # flash-attn 4 (flash_attn/cute/interface.py): batched queries (R, T, H, D), pages (num_blocks, block_size, Hkv,
-    # D), page_table (R, M) int32 with a unit last stride, seqused_k (R,) int32; returns (out, lse).
-    out, _ = mod.flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=seq_lens, page_table=block_table,
-                                        softmax_scale=scale, causal=causal, **descales)
-    return out
+    # D), page_table (R, M) int32 with a unit last stride, seqused_k (R,) int32; returns (out, lse), lse (R, Hq, T)
+    # with return_lse=True (the keyword vLLM's vendored copy passes on to _flash_attn_fwd). Called through our
+    # custom op (ops/flash_attn4.py): FA4 ships none. No FP8 here (`Flavor.reads_fp8`), so no descales.
+    assert not descales, "flash-attn 4 is not given FP8 caches (Flavor.reads_fp8)"
+    out, lse = flash_attn4_paged(q, k_cache, v_cache, block_table, seq_lens, scale, causal)
+    return (out, lse.transpose(1, 2)) if return_lse else out
 
 
 def vllm_fa_version(mod: ModuleType) -> int:
@@ -64,16 +72,19 @@ def vllm_fa_version(mod: ModuleType) -> int:
         return 2
 
 
-def _vllm_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, **descales):
-    # vLLM's build only exposes the varlen entry point; every row has T queries.
+def _vllm_call(mod, q, k_cache, v_cache, block_table, seq_lens, scale, causal, return_lse=False, **descales):
+    # vLLM's build only exposes the varlen entry point; every row has T queries. softmax_lse is (Hq, R * T).
     R, T, H, D = q.shape
     cu_seqlens_q = torch.arange(0, (R + 1) * T, T, dtype=torch.int32, device=q.device)
-    out = mod.flash_attn_varlen_func(
+    result = mod.flash_attn_varlen_func(
         q.reshape(R * T, H, D), k_cache, v_cache, max_seqlen_q=T, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_k=block_table.shape[1] * k_cache.shape[1], seqused_k=seq_lens, block_table=block_table,
-        softmax_scale=scale, causal=causal, fa_version=vllm_fa_version(mod), **descales,
+        softmax_scale=scale, causal=causal, fa_version=vllm_fa_version(mod),
+        **({"return_softmax_lse": True} if return_lse else {}), **descales,
     )
-    return out.view(R, T, H, D)
+    if return_lse:
+        return result[0].view(R, T, H, D), result[1].view(H, R, T).permute(1, 2, 0)
+    return result.view(R, T, H, D)
 
 
 @dataclass(frozen=True)
@@ -215,19 +226,42 @@ def attend(
     scale: float,
     visibility: str,
     row_scales: torch.Tensor | None = None,
+    kv_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attend with flash-attn over the pool (the dispatcher wrote the new K/V), zero the padded queries."""
+    """Attend with flash-attn over the pool (the dispatcher wrote the new K/V), zero the padded queries.
+
+    With a ``kv_gap``, flash-attn (which sees one prefix of a table) runs twice, on the span before the gap and
+    on the table shifted past it; the rest of the block the gap ends in is attended in torch; the three are
+    merged by their log-sum-exp (ops/gap_split.py). The causal hint applies to the span after the gap; the span
+    before it is seen whole by every query that sees anything (check_values verifies that promise on CPU values).
+    """
     flavor, mod = select(kv_pool.shape[2], row_scales is not None, _capability(query))
     causal = visibility == "causal"
-    q, descales = query.contiguous(), {}
+    q, descales, q_seen = query.contiguous(), {}, query
     if row_scales is not None:
         q, q_descale = quantize_query(q, kv_pool.shape[3], kv_pool.dtype)
         descales = dict(q_descale=q_descale, k_descale=row_scales[0], v_descale=row_scales[1])
+        # the query flash-attn sees, for the span attended here: every part then scores the same query
+        q_seen = dequantize(q, q_descale.repeat_interleave(query.shape[2] // kv_pool.shape[3], 1)[:, None, :, None],
+                            torch.float32)
     # flash-attn checks that seqused_k/cache_seqlens are contiguous and block_table has a unit last
     # stride (flash_api.cpp); the op accepts any strides, so copy where needed (a no-op for our buffers).
-    out = flavor.call(mod, q, kv_pool[0], kv_pool[1], block_table.contiguous(), seq_lens.contiguous(),
-                      scale, causal, **descales)
-    return zero_padded_queries(out.to(query.dtype), seq_lens, kv_visible_end)
+    table, lengths = block_table.contiguous(), seq_lens.contiguous()
+    if kv_gap is None:
+        out = flavor.call(mod, q, kv_pool[0], kv_pool[1], table, lengths, scale, causal, **descales)
+        return zero_padded_queries(out.to(query.dtype), seq_lens, kv_visible_end)
+    split = gap_split.split_around_gap(table, lengths, kv_gap, kv_pool.shape[2])
+    ends = gap_split.query_ends(seq_lens, kv_visible_end)
+    before = flavor.call(mod, q, kv_pool[0], kv_pool[1], table, split.before_len, scale, False, return_lse=True,
+                         **descales)
+    after = flavor.call(mod, q, kv_pool[0], kv_pool[1], split.after_table, split.after_len, scale, causal,
+                        return_lse=True, **descales)
+    out = gap_split.merge_by_lse([
+        (*before, gap_split.sees_before(split, ends)),
+        gap_split.attend_head(q_seen, kv_pool, split, ends, scale, row_scales),
+        (*after, gap_split.sees_after(split, ends)),
+    ])
+    return zero_padded_queries(out.to(query.dtype), seq_lens, kv_visible_end, kv_gap)
 
 
 def quantize_query(query: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

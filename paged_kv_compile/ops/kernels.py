@@ -1,8 +1,9 @@
 """The attention kernels behind the paged ops: a small protocol and a registry.
 
 A kernel is a module with ``write_kv(kv_pool, key, value, slot_mapping, row_scales=None)`` and
-``attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, visibility, row_scales=None)``
-(`ops/reference.py` is the oracle; ``row_scales`` ``[2, R, Hkv]`` comes with FP8 pools, ops/fp8.py). Its
+``attend(query, kv_pool, block_table, seq_lens, kv_visible_end, scale, visibility, row_scales=None, kv_gap=None)``
+(`ops/reference.py` is the oracle; ``row_scales`` ``[2, R, Hkv]`` comes with FP8 pools, ops/fp8.py; ``kv_gap``
+``[R, 2]`` with rows whose visible keys skip a span, ops/write_attend.py). Its
 registry entry says when it cannot run (missing package, device, page size) without importing it, how to
 load it, and on which devices `kernel="auto"` prefers it. The dispatcher (`ops/write_attend.py`) only
 looks kernels up here.
@@ -27,7 +28,7 @@ class KernelModule(Protocol):
 
     def attend(self, query: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                kv_visible_end: torch.Tensor, scale: float, visibility: str,
-               row_scales: torch.Tensor | None = None) -> torch.Tensor: ...
+               row_scales: torch.Tensor | None = None, kv_gap: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

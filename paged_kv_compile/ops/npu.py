@@ -1,9 +1,10 @@
 """Adapter to Ascend's ``torch_npu.npu_fused_infer_attention_score`` in paged (block_table) mode.
 
 Query goes in BSND layout; the pool's halves are viewed as ``[num_blocks, block_size, Hkv * D]``.
-Visibility other than "full" is passed as ``atten_mask`` ``[R, 1, T, M * B]`` (True = masked out),
-built on the device. New K/V are written first by the shared torch helper; padded queries are zeroed
-afterwards (with masked_fill, so a NaN from a fully masked row cannot leak).
+Visibility other than "full", or a row's ``kv_gap``, is passed as ``atten_mask`` ``[R, 1, T, M * B]``
+(True = masked out), built on the device: one call covers visible keys that start and end inside blocks.
+New K/V are written first by the shared torch helper; padded queries are zeroed afterwards (with
+masked_fill, so a NaN from a fully masked row cannot leak).
 
 Caveat: ``actual_seq_lengths_kv`` is a host int list, so this adapter reads
 ``seq_lens`` on the host every call, and a captured NPU graph bakes those ints in: refresh them after
@@ -106,6 +107,7 @@ def attend(
     scale: float,
     visibility: str,
     row_scales: torch.Tensor | None = None,
+    kv_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend with the fused NPU kernel (the dispatcher wrote the new K/V), zero the padded queries.
 
@@ -115,12 +117,12 @@ def attend(
     _, N, B, Hkv, _ = kv_pool.shape
     caches = kv_pool.view(2, N, B, Hkv * D)
     mask = None
-    if visibility != "full":
-        mask = ~visible_mask(seq_lens, kv_visible_end, block_table.shape[1] * B).unsqueeze(1)
+    if visibility != "full" or kv_gap is not None:
+        mask = ~visible_mask(seq_lens, kv_visible_end, block_table.shape[1] * B, kv_gap).unsqueeze(1)
     out, _ = torch_npu.npu_fused_infer_attention_score(
         query.contiguous(), caches[0], caches[1],
         atten_mask=mask, block_table=block_table.contiguous(),
         actual_seq_lengths_kv=seq_lens.tolist(),  # host sync, see above
         num_heads=Hq, num_key_value_heads=Hkv, input_layout="BSND", block_size=B, **{scale_keyword(torch_npu): scale},
     )
-    return zero_padded_queries(out, seq_lens, kv_visible_end)
+    return zero_padded_queries(out, seq_lens, kv_visible_end, kv_gap)

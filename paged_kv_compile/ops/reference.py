@@ -224,7 +224,8 @@ def _attend_used_span(
     """CPU path: lengths are host values here, so gather only the blocks in use (or view them in place,
     `_span_view`), skip the blocks that lie wholly inside every row's gap (`skipped_blocks`: a window's
     evicted head, the blocks between a sink and its window), and drop the mask when every query sees its
-    whole row (DreamZero's window) so SDPA can take its fused kernel.
+    whole row less one gap shared by every row (DreamZero's window, `_attend_one_gap`) so SDPA can take its
+    fused kernel.
 
     The padded table width and the all-rows mask are what fixed shapes cost on a device that must not
     read lengths; on the CPU nothing is captured and reading them is free.
@@ -237,6 +238,9 @@ def _attend_used_span(
         return query.new_zeros(query.shape)
     blocks = -(-length // B)
     gap = None if kv_gap is None else kv_gap.numpy()
+    full = bool((seq == length).all()) and bool((kv_visible_end.numpy() == length).all())
+    if full and gap is not None and bool((gap == gap[:1]).all()):
+        return _attend_one_gap(query, kv_pool, block_table, length, int(gap[0, 0]), int(gap[0, 1]), scale, row_scales)
     lo, hi = (0, 0) if gap is None else skipped_blocks(gap, seq, B)
     if hi > lo:  # the kept columns: logical blocks [0, lo) and [hi, blocks)
         table = torch.cat([block_table[:, :lo], block_table[:, hi:blocks]], 1)
@@ -246,13 +250,8 @@ def _attend_used_span(
     kept = length - (hi - lo) * B
     if kept == 0:  # every row's keys lie in its gap
         return query.new_zeros(query.shape)
-    kv = _span_view(kv_pool, table.numpy()) if VIEW_RUNS else None
-    if kv is None:
-        kv = _gather(kv_pool, table.reshape(-1), row_scales).view(2, R, table.shape[1] * B, Hkv, D)
-    kv = _dequantized(kv[:, :, :kept], row_scales, query.dtype).transpose(2, 3)
-    full = bool((seq == length).all()) and bool((kv_visible_end.numpy() == length).all())
-    if gap is not None:  # the whole row is seen only if every gap is exactly the skipped blocks
-        full = full and bool((gap[:, 0] == lo * B).all() and (gap[:, 1] == hi * B).all())
+    kv = _dequantized(_blocks(kv_pool, table, row_scales)[:, :, :kept], row_scales, query.dtype).transpose(2, 3)
+    full = full and gap is None
     mask = None
     if not full:
         mask = visible_mask(seq_lens, kv_visible_end, kept, kv_gap, positions)
@@ -262,3 +261,38 @@ def _attend_used_span(
         query.transpose(1, 2), kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv
     ).transpose(1, 2)
     return attn.contiguous() if full else zero_padded_queries(attn, seq_lens, kv_visible_end, kv_gap)
+
+
+def _blocks(kv_pool: torch.Tensor, table: torch.Tensor, row_scales: torch.Tensor | None) -> torch.Tensor:
+    """``[2, R, n*B, Hkv, D]``: the blocks ``table [R, n]`` of both halves, a view of the pool where `_span_view`
+    finds one, else gathered."""
+    _, _, B, Hkv, D = kv_pool.shape
+    kv = _span_view(kv_pool, table.numpy()) if VIEW_RUNS else None
+    if kv is None:
+        kv = _gather(kv_pool, table.reshape(-1), row_scales).view(2, table.shape[0], table.shape[1] * B, Hkv, D)
+    return kv
+
+
+def _attend_one_gap(query: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, length: int,
+                    start: int, stop: int, scale: float, row_scales: torch.Tensor | None) -> torch.Tensor:
+    """Every row holds `length` keys, every query sees them all but one gap ``[start, stop)`` shared by all rows
+    (DreamZero's window that starts inside a block, with or without a sink): read the keys before the gap and
+    from its end on as slices of the blocks (a view where `_span_view` finds one: a window alone is then read
+    in place, from inside its first block), without a mask, so SDPA takes its fused kernel."""
+    B = kv_pool.shape[2]
+    if start == stop:
+        start = stop = 0
+    pieces = []
+    if start > 0:
+        pieces.append(_blocks(kv_pool, block_table[:, : -(-start // B)], row_scales)[:, :, :start])
+    if stop < length:
+        first = stop // B
+        kv = _blocks(kv_pool, block_table[:, first : -(-length // B)], row_scales)
+        pieces.append(kv[:, :, stop - first * B : length - first * B])
+    if not pieces:
+        return query.new_zeros(query.shape)
+    kv = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 2)
+    kv = _dequantized(kv, row_scales, query.dtype).transpose(2, 3)
+    return F.scaled_dot_product_attention(
+        query.transpose(1, 2), kv[0], kv[1], scale=scale, enable_gqa=query.shape[2] != kv_pool.shape[3]
+    ).transpose(1, 2).contiguous()

@@ -4,6 +4,8 @@ Attention runs one program per (row, query tile, kv head). A program holds the t
 query heads that share the kv head (GQA: head h reads kv head h // (Hq // Hkv)), so each K/V tile is
 loaded once per group. It walks the row's logical keys in tiles of BLOCK_N positions, each position
 resolved through the block table (any block size works), up to the largest visible end in the tile.
+A row's gap (``kv_gap``) is masked out, and the tiles that lie wholly in it are never loaded: the walk
+runs in two loops, up to the gap's start and from the tile holding its end.
 Queries that see nothing keep a zero accumulator and store exact zeros. No value is read on the host.
 Dots use input_precision="ieee": fp32 pools then match the reference to 1e-5 instead of TF32's 1e-3;
 it changes nothing for fp16/bf16 operands. FP8 pools (HAS_SCALES): the store quantizes with the row's
@@ -68,14 +70,45 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start, kv_end, end, gap_lo, gap_hi, r, kvh, d, d_ok, k_scale, v_scale, scale,
+    Pool, Table, half_stride, slot_stride, pool_h_stride, s_tr, s_tm,
+    B: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALES: tl.constexpr,
+):
+    """One online-softmax step over the logical keys [start, start + BLOCK_N) of row r."""
+    p = start + tl.arange(0, BLOCK_N)
+    p_ok = p < kv_end
+    block = tl.load(Table + r * s_tr + (p // B) * s_tm, mask=p_ok, other=0).to(tl.int64)
+    addr = (block * B + p % B)[:, None] * slot_stride + kvh * pool_h_stride + d[None, :]
+    kv_mask = p_ok[:, None] & d_ok[None, :]
+    k = tl.load(Pool + addr, mask=kv_mask, other=0.0)
+    if HAS_SCALES:
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    seen = (p[None, :] < end[:, None]) & ((p[None, :] < gap_lo) | (p[None, :] >= gap_hi))
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+    alpha = tl.exp(m_i - m_safe)
+    probs = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(probs, 1)
+    v = tl.load(Pool + half_stride + addr, mask=kv_mask, other=0.0)
+    if HAS_SCALES:
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_kernel(
-    Q, Pool, Out, Table, SeqLens, VisEnd, Scales, scale,
+    Q, Pool, Out, Table, SeqLens, VisEnd, Scales, Gap, scale,
     T, M, half_stride, slot_stride, pool_h_stride,
     s_qr, s_qt, s_qh, s_qd,
     s_or, s_ot, s_oh,
-    s_tr, s_tm, s_seq, s_vr, s_vt, s_c2, s_cr,
+    s_tr, s_tm, s_seq, s_vr, s_vt, s_c2, s_cr, s_gr, s_gc,
     B: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALES: tl.constexpr,
+    HAS_GAP: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_T * G_PAD
     pid = tl.program_id(0)
@@ -96,34 +129,32 @@ def _attend_kernel(
     end = tl.load(VisEnd + r * s_vr + t * s_vt, mask=row_ok, other=0)
     end = tl.minimum(end, seq)
     kv_end = tl.minimum(tl.max(end, 0), M * B)
+    k_scale = 1.0
+    v_scale = 1.0
     if HAS_SCALES:
         k_scale = tl.load(Scales + r * s_cr + kvh)
         v_scale = tl.load(Scales + s_c2 + r * s_cr + kvh)
+    gap_lo = 0
+    gap_hi = 0
+    if HAS_GAP:
+        gap_lo = tl.load(Gap + r * s_gr)
+        gap_hi = tl.load(Gap + r * s_gr + s_gc)
+    # Two walks: the tiles up to the gap's start, then from the tile holding its end; the tiles between lie
+    # wholly in the gap (or past every visible end) and are skipped. Without a gap the first walk is empty.
+    stop_1 = tl.minimum(gap_lo, kv_end)
+    start_2 = tl.maximum((gap_hi // BLOCK_N) * BLOCK_N, tl.cdiv(stop_1, BLOCK_N) * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
-        p = start + tl.arange(0, BLOCK_N)
-        p_ok = p < kv_end
-        block = tl.load(Table + r * s_tr + (p // B) * s_tm, mask=p_ok, other=0).to(tl.int64)
-        addr = (block * B + p % B)[:, None] * slot_stride + kvh * pool_h_stride + d[None, :]
-        kv_mask = p_ok[:, None] & d_ok[None, :]
-        k = tl.load(Pool + addr, mask=kv_mask, other=0.0)
-        if HAS_SCALES:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        s = tl.where(p[None, :] < end[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
-        alpha = tl.exp(m_i - m_safe)
-        probs = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(probs, 1)
-        v = tl.load(Pool + half_stride + addr, mask=kv_mask, other=0.0)
-        if HAS_SCALES:
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    for start in range(0, stop_1, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, end, gap_lo, gap_hi, r, kvh, d, d_ok,
+                                     k_scale, v_scale, scale, Pool, Table, half_stride, slot_stride, pool_h_stride,
+                                     s_tr, s_tm, B, BLOCK_N, HAS_SCALES)
+    for start in range(start_2, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, kv_end, end, gap_lo, gap_hi, r, kvh, d, d_ok,
+                                     k_scale, v_scale, scale, Pool, Table, half_stride, slot_stride, pool_h_stride,
+                                     s_tr, s_tm, B, BLOCK_N, HAS_SCALES)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + r * s_or + t[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -180,11 +211,12 @@ def attend(
     scale: float,
     visibility: str = "general",
     row_scales: torch.Tensor | None = None,
+    kv_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``query [R, T, Hq, D]``; returns a contiguous ``[R, T, Hq, D]`` tensor.
 
     Any visibility layout is computed from ``kv_visible_end``; the `visibility` hint is ignored.
-    FP8 pools are dequantized with ``row_scales [2, R, Hkv]``.
+    FP8 pools are dequantized with ``row_scales [2, R, Hkv]``; keys in a row's ``kv_gap`` are hidden.
     """
     _check_device(query)
     R, T, Hq, D = query.shape
@@ -199,12 +231,14 @@ def attend(
     s = kv_pool.stride()
     grid = (R * triton.cdiv(T, BLOCK_T), Hkv)
     scales, c2, cr, has_scales, *_ = _scales_args(kv_pool, row_scales)
+    gap = block_table if kv_gap is None else kv_gap  # a dummy pointer when there is no gap
     _attend_kernel[grid](
-        query, kv_pool, out, block_table, seq_lens, kv_visible_end, scales, scale,
+        query, kv_pool, out, block_table, seq_lens, kv_visible_end, scales, gap, scale,
         T, block_table.shape[1], s[0], s[2], s[3],
         *query.stride(), *out.stride()[:3],
         *block_table.stride(), *seq_lens.stride(), *kv_visible_end.stride(), c2, cr,
+        *((0, 0) if kv_gap is None else kv_gap.stride()),
         B=B, G=G, G_PAD=G_PAD, D=D, BLOCK_T=BLOCK_T, BLOCK_N=32,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SCALES=has_scales,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SCALES=has_scales, HAS_GAP=kv_gap is not None,
     )
     return out

@@ -222,10 +222,12 @@ def _check_gap_values(kv_gap, seq_lens, kv_visible_end, visibility) -> None:
     ):
         if bool(bad.any()):
             r = int(bad.nonzero()[0, 0])
-            raise OpInputError(f"kv_gap[{r}] = {tuple(kv_gap[r].tolist())} (seq_lens[{r}] = {int(seq_lens[r])}) has {why}")
+            raise OpInputError(
+                f"kv_gap[{r}] = {tuple(kv_gap[r].tolist())} (seq_lens[{r}] = {int(seq_lens[r])}) has {why}"
+            )
     if visibility == "causal":
-        has_gap = (end > start).view(-1, 1)
-        _first_bad("kv_visible_end", kv_visible_end, (kv_visible_end > 0) & has_gap & (kv_visible_end < start.view(-1, 1)),
+        before_gap = (end > start).view(-1, 1) & (kv_visible_end < start.view(-1, 1))
+        _first_bad("kv_visible_end", kv_visible_end, (kv_visible_end > 0) & before_gap,
                    "below its row's kv_gap start: with visibility='causal' and a gap, a query that sees anything must "
                    "see every key before the gap (a sink); pass visibility='general'")
 
