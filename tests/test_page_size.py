@@ -96,7 +96,8 @@ def test_page_size_window_is_the_dense_window_token_by_token(seed):
     """Random geometries (frames of 2-17 tokens, blocks of 2-16, chunks, sinks, a 1-frame first commit, resets):
     every forward of two rows sees exactly the history tokens the dense cache holds (through fill, slide and
     reset), a commit's tokens land in history order (continuing a partial block), a pool of exactly what admission
-    reserves never runs short, and the most a row holds is `session_blocks_per_row`."""
+    reserves never runs short, a block is held only while one of its tokens is visible (or the next commit continues
+    it), and the most a row holds is `session_blocks_per_row`."""
     rng = random.Random(seed)
     for _ in range(12):
         spec, B = _random_spec(rng)
@@ -127,6 +128,13 @@ def test_page_size_window_is_the_dense_window_token_by_token(seed):
                 peak = max(peak, *(len(owner.rows[r]) + len(commit.new_blocks[r]) for r in range(2)))
                 rt.scheduler.finish_forward(commit)
                 history, frame, commits = history + n, frame + n // spec.frame_seqlen, commits + 1
+                # a block is held only while one of its tokens is visible, or while the next commit continues it
+                visible = set(_dense_window(history, spec, spec.chunk_tokens))
+                for r in range(2):
+                    for block in owner.rows[r]:
+                        h = maps[r].index[block]
+                        tokens = range(h * B, min((h + 1) * B, history))
+                        assert visible.intersection(tokens) or (history % B and h == history // B), (spec, B, h)
             rt.reset("s")
             maps, history, frame = [_HistoryMap(B) for _ in range(2)], 0, 0
         assert peak == per_row, (spec, B)
@@ -357,3 +365,24 @@ def test_page_size_pool_waste_arithmetic_at_the_real_geometries():
             assert r["wasted_tokens_per_row"] == 0
         else:
             assert 0 <= r["wasted_tokens_per_row"] < 3 * r["page"]
+
+
+@pytest.mark.parametrize("geometry", [(5, 2, 3), (4, 2, 5)], ids=["frame5-chunk2-page3", "frame4-chunk2-page5"])
+def test_page_size_fuzz_short_run_finds_nothing(geometry):
+    """The single-rank differential fuzzer (both serving paths, compiled and captured) at a block size that divides
+    neither the frame nor the chunk: every forward equals its dense twin, every refusal and fault changes nothing
+    (but the unused tail of a partly filled last block), no recompile while serving."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from fuzz.differential import ATOL, BATCH_INVARIANCE, Fuzzer
+
+    fuzzer = Fuzzer("dreamzero", seed=1, geometry=geometry)
+    graphs = fuzzer.h.backend.frames
+    stats = fuzzer.run(40)  # raises FuzzFailure naming the operation if anything is wrong
+    assert stats.steps == 40 and stats.compared >= stats.forwards >= 10, stats
+    assert stats.worst <= ATOL + BATCH_INVARIANCE
+    assert fuzzer.h.backend.frames - graphs <= len(fuzzer.signatures)
