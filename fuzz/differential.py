@@ -51,7 +51,6 @@ import torch
 
 from fuzz.mutants import DESCRIPTIONS, mutant  # noqa: E402
 from fuzz.paths import (  # noqa: E402
-    DZ_CFG,
     DZ_CONTENTS,
     FAMILIES,
     FINISHED_MEMORY,
@@ -63,6 +62,8 @@ from fuzz.paths import (  # noqa: E402
     InjectedFault,
     ServingPath,
     Snapshot,
+    draw_geometry,
+    dz_config,
     harness,
     held_blocks,
 )
@@ -77,7 +78,7 @@ from fuzz.world import (  # noqa: E402
     encode_mask,
 )
 from paged_kv_compile import CapacityError, PagedKVError  # noqa: E402
-from paged_kv_compile.families.dreamzero import DreamZeroSpec  # noqa: E402
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, history_tokens  # noqa: E402
 from paged_kv_compile.families.hunyuan_image3 import HunyuanSpec  # noqa: E402
 from paged_kv_compile.models.hunyuan_image3 import HunyuanKVCache  # noqa: E402
 from paged_kv_compile.runtime import PagedKVRuntime  # noqa: E402
@@ -130,13 +131,17 @@ class Fuzzer:
     """One seeded run of one family on every path (see the module docstring)."""
 
     def __init__(self, family: str, seed: int = 0, *, fp8: bool = False, paths: tuple[str, ...] | None = None,
-                 weights: dict | None = None, key_check: bool = True) -> None:
+                 weights: dict | None = None, key_check: bool = True,
+                 geometry: tuple[int, int, int] | None = None) -> None:
         """weights: operation name -> relative weight, overriding the generator's; key_check=False leaves out the
-        repeat-key invariant (then only what the outputs and the state show counts)."""
+        repeat-key invariant (then only what the outputs and the state show counts). geometry: DreamZero's (frame
+        tokens, chunk frames, block size), e.g. `draw_geometry(seed)`; None: DZ_CFG in blocks of DZ_BLOCK."""
         if family not in FAMILIES:
             raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
         self.family, self.seed, self.fp8 = family, seed, fp8
-        self.h = harness(family, fp8)
+        self.geometry = geometry if family == "dreamzero" else None
+        self.h = harness(family, fp8, None if self.geometry is None else dz_config(*self.geometry[:2]))
+        self.block_size = None if self.geometry is None else self.geometry[2]
         self.path_names = tuple(paths or PATHS)
         self.weights = weights or {}
         self.key_check = key_check
@@ -157,9 +162,9 @@ class Fuzzer:
         if family == "dreamzero":  # the cross-attention K/V of each prompt, per layer (2, 1, Lt, H, D)
             with torch.no_grad():
                 self._cross = {c: self.h.dense.prepare_cross_kv(torch.randn(
-                    1, DZ_CFG.text_len, DZ_CFG.text_dim, generator=torch.Generator().manual_seed(1000 + c)))
+                    1, self.h.cfg.text_len, self.h.cfg.text_dim, generator=torch.Generator().manual_seed(1000 + c)))
                     for c in range(DZ_CONTENTS)}
-        cfg = DZ_CFG if family == "dreamzero" else HY_CFG
+        cfg = self.h.cfg
         kv_heads = cfg.num_heads if family == "dreamzero" else cfg.num_kv_heads
         self.scales = Fp8Scales.ones(FP8, cfg.num_layers, kv_heads) if fp8 else None
 
@@ -171,7 +176,7 @@ class Fuzzer:
         self._limits.__enter__()
         self._threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tiny models: one intra-op thread is as fast, and far steadier on a shared machine
-        self.paths = [PATHS[name](self.h) for name in self.path_names]
+        self.paths = [PATHS[name](self.h, self.block_size) for name in self.path_names]
         for path in self.paths:
             self.signatures.update(path.warmed())
         return self
@@ -362,7 +367,7 @@ class Fuzzer:
         return op
 
     def _fault(self) -> int | None:
-        layers = DZ_CFG.num_layers if self.family == "dreamzero" else HY_CFG.num_layers
+        layers = self.h.cfg.num_layers
         return self.rng.randrange(layers) if self.rng.random() < self.weights.get("fault", 0.06) else None
 
     def _live(self) -> list[str]:
@@ -378,7 +383,7 @@ class Fuzzer:
         return "nobody"
 
     def _scales_op(self) -> dict:
-        cfg = DZ_CFG if self.family == "dreamzero" else HY_CFG
+        cfg = self.h.cfg
         kv_heads = cfg.num_heads if self.family == "dreamzero" else cfg.num_kv_heads
         draw = lambda: [[round(self.rng.uniform(0.004, 0.05), 5) for _ in range(kv_heads)]  # noqa: E731
                         for _ in range(cfg.num_layers)]
@@ -496,13 +501,13 @@ class Fuzzer:
 
     def _admit_dreamzero(self, op: dict) -> None:
         oid = op["id"]
-        spec = DreamZeroSpec.from_model_config(DZ_CFG)
+        spec = DreamZeroSpec.from_model_config(self.h.cfg)
         if op["spec"] == "wrong-sink":
             spec = dataclasses.replace(spec, sink_frames=0)
         cross_rows = [list(self._cross[c]) for c in op["contents"]]  # per row: per layer (2, 1, Lt, H, D)
         kwargs = {}
         if op["regions"]:
-            cross = [torch.cat([row[layer] for row in cross_rows], dim=1) for layer in range(DZ_CFG.num_layers)]
+            cross = [torch.cat([row[layer] for row in cross_rows], dim=1) for layer in range(self.h.cfg.num_layers)]
             kwargs = dict(cross_kv=cross, cache_salt=op["salt"], content_keys=op["keys"])
         if self.on_paths(lambda p: p.runtime.admit(oid, spec, rows=op["rows"], **kwargs)) is None:
             return
@@ -586,7 +591,7 @@ class Fuzzer:
         return rt.forward_batch([(oid, kind, args) for oid, kind, args in items])
 
     def _dreamzero_forward(self, op: dict) -> None:
-        cfg = DZ_CFG
+        cfg = self.h.cfg
         kind = op["items"][0][1]
         commit = kind == "commit"
         items = [(oid, k, {} if b is None else {"branch": b}) for oid, k, b in op["items"]]
@@ -625,7 +630,23 @@ class Fuzzer:
                                                        update_kv_cache=commit)
             return video, action, plans
 
-        results = self.on_paths(call, forward=True, fault=op["fault"] is not None)
+        def rewrites(rt: PagedKVRuntime) -> dict[int, int]:
+            """A row's partly filled last block: any forward writes its tail (beyond the history, which no one
+            reads until the next commit writes it again), so a refused or faulted one may have written it."""
+            out = {}
+            B = rt.pool.block_size
+            for oid, _, branch in op["items"]:
+                owner = rt.scheduler.owners.get(oid)
+                if owner is None or owner.state is None:
+                    continue
+                for r in ([branch] if branch is not None else range(owner.num_rows)):
+                    if r < owner.num_rows and owner.rows[r]:
+                        used = history_tokens(owner.spec, owner.state.commits[r]) % B
+                        if used:
+                            out[owner.rows[r][-1]] = used
+            return out
+
+        results = self.on_paths(call, forward=True, fault=op["fault"] is not None, rewrites=rewrites)
         if results is None:
             return
         self.stats.forwards += 1
@@ -766,7 +787,8 @@ def _label(family: str, fp8: bool) -> str:
 
 
 def _summary(row: dict) -> str:
-    return (f"{_label(row['family'], row['fp8'])} seed={row['seed']}: steps={row['steps']} forwards={row['forwards']} "
+    where = "" if row.get("geometry") is None else " frame={} chunk={} block={}".format(*row["geometry"])
+    return (f"{_label(row['family'], row['fp8'])} seed={row['seed']}{where}: steps={row['steps']} forwards={row['forwards']} "
             f"compared={row['compared']} refusals={row['refusals']} faults={row['faults']} retries={row['retries']} "
             f"batched={row['batched']} forks={row['forks']} evictions={row['evictions']} id_reuse={row['id_reuse']} "
             f"set_scales={row['set_scales']} worst={row['worst']:.2g} wrong=0 time={row['seconds']} s")
@@ -788,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
                          "operations each seed finds it")
     ap.add_argument("--no-key-check", action="store_true",
                     help="leave out the repeat-key invariant (only outputs and state count)")
+    ap.add_argument("--page-sizes", action="store_true",
+                    help="DreamZero: each seed draws its frame length, chunk and block size (`paths.draw_geometry`)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     put_back = (lambda: mutant(args.mutant)) if args.mutant else contextlib.nullcontext
@@ -805,7 +829,8 @@ def main(argv: list[str] | None = None) -> int:
     results, failed = [], False
     for family, fp8 in runs:
         for seed in range(args.seed, args.seed + args.seeds):
-            fuzzer = Fuzzer(family, seed, fp8=fp8, key_check=not args.no_key_check)
+            geometry = draw_geometry(seed) if args.page_sizes and family == "dreamzero" else None
+            fuzzer = Fuzzer(family, seed, fp8=fp8, key_check=not args.no_key_check, geometry=geometry)
             t0 = time.perf_counter()
             try:
                 with put_back():
@@ -828,7 +853,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"family": family, "fp8": fp8, "ops": ops}), flush=True)
                 continue
             row = fuzzer.stats.as_dict()
-            row.update(family=family, fp8=fp8, seed=seed, seconds=round(time.perf_counter() - t0, 1), wrong=0)
+            row.update(family=family, fp8=fp8, seed=seed, seconds=round(time.perf_counter() - t0, 1), wrong=0,
+                       geometry=geometry)
             results.append(row)
             if args.mutant:
                 print(f"mutant {args.mutant}: {_label(family, fp8)} seed={seed}: NOT found in {args.steps} operations",

@@ -8,6 +8,8 @@ ran when the path armed one.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,21 @@ DZ_CFG = DreamZeroConfig(num_layers=2, dim=16, num_heads=2, head_dim=8, ffn_dim=
                          num_frame_per_block=1, local_attn_size=3, sink_size=1, window_reset_frames=4,
                          action_register_length=2, text_len=3, text_dim=8, in_channels=4, action_dim=4, freq_dim=8)
 DZ_BLOCK = 2
+#: (frame tokens, chunk frames, block size) a run may draw (`draw_geometry`): blocks that divide neither the frame
+#: nor the chunk, chunks of 1 and 2 frames; the first is DZ_CFG with DZ_BLOCK, every run's default
+DZ_GEOMETRIES = ((4, 1, 2), (4, 1, 3), (5, 1, 2), (5, 2, 3), (3, 2, 4), (5, 1, 8), (4, 2, 5), (3, 1, 2))
+
+
+def dz_config(frame_seqlen: int, chunk_frames: int) -> DreamZeroConfig:
+    """DZ_CFG with another frame length and chunk (window 3 frames, 1-frame sink, reset at frame 4 as DZ_CFG)."""
+    return dataclasses.replace(DZ_CFG, frame_seqlen=frame_seqlen, num_frame_per_block=chunk_frames)
+
+
+def draw_geometry(seed: int) -> tuple[int, int, int]:
+    """A (frame tokens, chunk frames, block size) drawn from the seed: `random.Random(seed)` over DZ_GEOMETRIES."""
+    return random.Random(seed).choice(DZ_GEOMETRIES)
+
+
 DZ_ROWS = (1, 2, 4)  # bucket row counts: a batch of 3 rows is refused (no bucket)
 DZ_CONTENTS = 3  # distinct cross-attention contexts (prompts)
 #: HunyuanImage-3: 2 layers, 2 query heads over 1 kv head x 8, image 2x2 (target 6 tokens), prompts padded to 6.
@@ -99,16 +116,18 @@ class Harness:
 
     family: str
     fp8: bool
+    cfg: Any  # the model config (DreamZero: DZ_CFG or `dz_config(...)`)
     dense: torch.nn.Module
     models: dict  # path name -> model whose blocks are FuzzBlocks
     backend: CountingBackend
     oracle: Any = None  # the dense side (`fuzz.world`), over `dense`
 
     @staticmethod
-    def build(family: str, fp8: bool) -> "Harness":
+    def build(family: str, fp8: bool, cfg: Any = None) -> "Harness":
         backend = CountingBackend()
-        make = (lambda: DreamZeroModel(DZ_CFG, seed=WEIGHT_SEED)) if family == "dreamzero" else \
-            (lambda: HunyuanImage3Model(HY_CFG, seed=WEIGHT_SEED))
+        cfg = cfg if cfg is not None else DZ_CFG if family == "dreamzero" else HY_CFG
+        make = (lambda: DreamZeroModel(cfg, seed=WEIGHT_SEED)) if family == "dreamzero" else \
+            (lambda: HunyuanImage3Model(cfg, seed=WEIGHT_SEED))
         models = {}
         for name in ("compiled", "captured"):
             model = make().eval()
@@ -119,7 +138,7 @@ class Harness:
             models[name] = model
         dense = make().eval()
         oracle = (DreamZeroOracle if family == "dreamzero" else HunyuanOracle)(dense, FP8 if fp8 else None)
-        return Harness(family, fp8, dense, models, backend, oracle)
+        return Harness(family, fp8, cfg, dense, models, backend, oracle)
 
     def inner_blocks(self, path: str) -> list[torch.nn.Module]:
         model = self.models[path]
@@ -130,23 +149,25 @@ class Harness:
         return list(model.blocks if self.family == "dreamzero" else model.layers)
 
 
-_HARNESSES: dict[tuple[str, bool], Harness] = {}
+_HARNESSES: dict[tuple, Harness] = {}
 
 
-def harness(family: str, fp8: bool) -> Harness:
-    key = (family, fp8)
+def harness(family: str, fp8: bool, cfg: Any = None) -> Harness:
+    key = (family, fp8, cfg)
     if key not in _HARNESSES:
-        _HARNESSES[key] = Harness.build(family, fp8)
+        _HARNESSES[key] = Harness.build(family, fp8, cfg)
     return _HARNESSES[key]
 
 
-def runtime_config(family: str, fp8: bool):
+def runtime_config(family: str, fp8: bool, cfg: Any = None, block_size: int | None = None):
     common = dict(kernel="reference", inner_compiler="aot_eager", kv_dtype=FP8 if fp8 else None)
     if family == "dreamzero":
         # pool for two 2-row sessions (or four 1-row ones) and three distinct cross-attention regions; forwards of up
         # to 4 rows. The LRU cap (MAX_SESSIONS) evicts the least recently used session past four.
-        return dreamzero_runtime_config(DZ_CFG, block_size=DZ_BLOCK, sessions=2, rows=2, cross_regions=DZ_CONTENTS,
-                                        max_rows=max(DZ_ROWS), buckets=dreamzero_buckets(DZ_CFG, rows=DZ_ROWS),
+        cfg = cfg or DZ_CFG
+        return dreamzero_runtime_config(cfg, block_size=block_size or DZ_BLOCK, sessions=2, rows=2,
+                                        cross_regions=DZ_CONTENTS, max_rows=max(DZ_ROWS),
+                                        buckets=dreamzero_buckets(cfg, rows=DZ_ROWS),
                                         **common)
     # room for three 2-row requests with full prompts; right padding keeps causal pads after the target, so a
     # prefill's scratch covers the whole dense row
@@ -163,10 +184,10 @@ class ServingPath:
 
     name = "compiled"
 
-    def __init__(self, h: Harness) -> None:
+    def __init__(self, h: Harness, block_size: int | None = None) -> None:
         self.h = h
         self.model = h.models[self.name]
-        self.runtime = PagedKVRuntime(runtime_config(h.family, h.fp8), max_sessions=MAX_SESSIONS)
+        self.runtime = PagedKVRuntime(runtime_config(h.family, h.fp8, h.cfg, block_size), max_sessions=MAX_SESSIONS)
         self.runtime.scheduler.FINISHED_MEMORY = FINISHED_MEMORY
         self.runtime.bind(h.inner_blocks(self.name))
         for block in h.outer_blocks(self.name):
@@ -196,8 +217,8 @@ class CapturedPath(ServingPath):
     name = "captured"
     VARIANTS = {"dreamzero": ("region", "dense"), "hunyuan_image3": ("bool", "float")}
 
-    def __init__(self, h: Harness) -> None:
-        super().__init__(h)
+    def __init__(self, h: Harness, block_size: int | None = None) -> None:
+        super().__init__(h, block_size)
         from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
 
         self.captured = {}

@@ -46,14 +46,21 @@ import torch.distributed as dist
 
 from paged_kv_compile import PagedKVRuntime
 from paged_kv_compile.distributed import ParallelConfig, RankRuntime
-from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config, history_tokens
 from paged_kv_compile.models.dreamzero import DreamZeroConfig
 from paged_kv_compile.ops.write_attend import write_attend
 
 CFG = DreamZeroConfig(num_layers=2, frame_seqlen=4, num_frame_per_block=1, local_attn_size=3, window_reset_frames=64,
                       action_register_length=2, text_len=6)
 SPEC = DreamZeroSpec.from_model_config(CFG)
-OTHER_SPEC = dataclasses.replace(SPEC, commit_action_tokens=0)  # same type, other values: a divergent admission
+#: (frame tokens, chunk frames, sink frames, block size) a seed may draw with --page-sizes (`draw_geometry`): blocks
+#: that divide neither the frame nor the chunk, sinks that end inside a block
+GEOMETRIES = ((4, 1, 0, 3), (5, 1, 1, 2), (5, 2, 1, 3), (3, 2, 0, 4), (4, 1, 1, 5), (3, 1, 1, 2), (5, 1, 0, 4))
+
+
+def draw_geometry(seed: int) -> tuple[int, int, int, int]:
+    """The geometry seed `seed` runs with --page-sizes: `random.Random(seed)` over GEOMETRIES."""
+    return random.Random(seed).choice(GEOMETRIES)
 LAYOUTS = ("tp", "cfg", "ulysses")
 ATOL = 1e-5
 MUTANTS = {
@@ -132,10 +139,18 @@ def mutant(defect: int | None) -> Iterator[None]:
 class RankWorld:
     """This rank's RankRuntime and the one-rank runtime beside it, the live owners, and the checks."""
 
-    def __init__(self, layout: str, seed: int, small_pool: bool, fp8: bool = False) -> None:
+    def __init__(self, layout: str, seed: int, small_pool: bool, fp8: bool = False,
+                 geometry: tuple[int, int, int, int] | None = None) -> None:
+        """geometry: (frame tokens, chunk frames, sink frames, block size), e.g. `draw_geometry(seed)`; None: CFG
+        in blocks of one frame."""
         self.layout, self.rank = layout, dist.get_rank()
         group, self.parallel = _group_and_parallel(layout)
-        one = dreamzero_runtime_config(CFG, sessions=3, dtype=torch.float32, max_rows=4,  # batches of 2 owners
+        frame, chunk, sink, block = geometry or (CFG.frame_seqlen, CFG.num_frame_per_block, CFG.sink_size, None)
+        self.cfg = dataclasses.replace(CFG, frame_seqlen=frame, num_frame_per_block=chunk, sink_size=sink)
+        self.spec = DreamZeroSpec.from_model_config(self.cfg)
+        self.other_spec = dataclasses.replace(self.spec, commit_action_tokens=0)  # a divergent admission
+        one = dreamzero_runtime_config(self.cfg, block_size=block, sessions=3, dtype=torch.float32,
+                                       max_rows=4,  # batches of 2 owners
                                        kv_dtype=torch.float8_e4m3fn if fp8 else None, cross_regions=4)
         cfg = self.parallel.rank_config(one)
         if small_pool and layout == "cfg" and self.rank == 1:  # less free memory on that GPU: room for 2 sessions
@@ -149,7 +164,7 @@ class RankWorld:
         self.live: list[str] = []
         self.next_id = 0
         self.counts: Counter = Counter()
-        self.heads = slice(self.rank * (CFG.num_heads // 2), (self.rank + 1) * (CFG.num_heads // 2))
+        self.heads = slice(self.rank * (self.cfg.num_heads // 2), (self.rank + 1) * (self.cfg.num_heads // 2))
 
     # ---- the forward body: the paged op on seeded Q/K/V, this rank's slice -----------------------------------
     def _qkv(self, op: int, layer: int, rows: list[tuple[int, int]], tokens: int) -> tuple[torch.Tensor, ...]:
@@ -158,25 +173,26 @@ class RankWorld:
         out = []
         for i, branch in rows:
             g = torch.Generator().manual_seed(((self.seed * 1009 + op) * 17 + layer) * 31 + i * 2 + branch)
-            out.append(torch.randn(3, 1, tokens, CFG.num_heads, CFG.head_dim, generator=g))
+            out.append(torch.randn(3, 1, tokens, self.cfg.num_heads, self.cfg.head_dim, generator=g))
         return tuple(torch.cat(out, dim=1))
 
     def _body(self, runtime: PagedKVRuntime, active, op: int, rows: list[tuple[int, int]], *,
               heads: slice | None, fault: bool = False, attend: bool = True) -> torch.Tensor:
         """Every layer's paged attention of forward `op` (rows: see `_qkv`; heads: this rank's, or all)."""
         meta, outs = active.meta, []
-        for layer in range(CFG.num_layers if attend else 0):
+        for layer in range(self.cfg.num_layers if attend else 0):
             q, k, v = self._qkv(op, layer, rows, meta.bucket.tokens)
             if heads is not None:
                 q, k, v = q[:, :, heads], k[:, :, heads], v[:, :, heads]
             site = meta.layers[layer]
             outs.append(write_attend(q.contiguous(), k.contiguous(), v.contiguous(), runtime.pool.tensor,
                                      site.slot_mapping, site.block_table, meta.seq_lens, meta.kv_visible_end,
-                                     CFG.head_dim ** -0.5, "reference", "general", runtime.pool.scales))
+                                     self.cfg.head_dim ** -0.5, "reference", "general", runtime.pool.scales,
+                                     kv_gap=meta.kv_gap))
             if fault and layer == 0:
                 raise InjectedFault(f"injected on rank {self.rank} after layer 0")
         if attend:
-            runtime.active.record_layers(range(CFG.num_layers))
+            runtime.active.record_layers(range(self.cfg.num_layers))
         return torch.stack(outs) if outs else torch.empty(0)
 
     # ---- operations -----------------------------------------------------------------------------------------
@@ -200,12 +216,12 @@ class RankWorld:
             if what in ("admit", "diverge_spec", "bad_argument"):
                 oid = f"o{self.next_id}"
                 self.next_id += 1
-                spec = OTHER_SPEC if what == "diverge_spec" and self.rank == 1 else SPEC
+                spec = self.other_spec if what == "diverge_spec" and self.rank == 1 else self.spec
                 rows = 5 if what == "bad_argument" and self.rank == 1 else self._rows()
                 expect_ok = what == "admit"
                 regions = self._regions() if self.rng.random() < 0.5 else None  # shared cross-attention K/V
                 if expect_ok:
-                    expect_ok = self._one(lambda: self.one.admit(oid, SPEC, rows=2, **self._full(regions)))
+                    expect_ok = self._one(lambda: self.one.admit(oid, self.spec, rows=2, **self._full(regions)))
                 pending = oid
                 self.rt.admit(oid, spec, rows=rows, **self._mine(regions, rows))
                 live_now = oid
@@ -251,8 +267,8 @@ class RankWorld:
 
     def _cross(self, content: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 7919 + content)
-        shape = (2, 2, CFG.cross_len, CFG.num_heads, CFG.head_dim)
-        return [torch.randn(shape, generator=g) for _ in range(CFG.num_layers)]
+        shape = (2, 2, self.cfg.cross_len, self.cfg.num_heads, self.cfg.head_dim)
+        return [torch.randn(shape, generator=g) for _ in range(self.cfg.num_layers)]
 
     def _full(self, regions) -> dict:
         return {} if regions is None else {"cross_kv": self._cross(regions[0]), "cache_salt": regions[1]}
@@ -336,7 +352,16 @@ class RankWorld:
                       | {b for regs in state["regions"]["held"].values() for _, blocks in regs for b in blocks})
         index = torch.tensor([base + b for base in inner.pool.layer_bases.tolist() for b in held], dtype=torch.long)
         alloc = inner.scheduler.allocator
-        return {"state": state, "bytes": inner.pool.tensor[:, index].clone(), "regions_match": self._regions_match(),
+        data = inner.pool.tensor[:, index].clone()
+        # a row's partly filled last block: any forward writes its tail (read by no one until the next commit
+        # writes it again), so a refused or faulted one may have: its tail is not compared
+        B, where = inner.pool.block_size, {b: i for i, b in enumerate(held)}
+        for owner in inner.scheduler.owners.values():
+            for row, commits in zip(owner.rows, owner.state.commits):
+                used = history_tokens(owner.spec, commits) % B
+                if row and used:
+                    data[:, where[row[-1]]::len(held), used:] = 0
+        return {"state": state, "bytes": data, "regions_match": self._regions_match(),
                 "scales": None if inner.pool.scales is None else inner.pool.scales.clone(),
                 "guard": inner.pool.blocks_held() == alloc.num_blocks - alloc.num_free,
                 "one": {"owners": sorted(self.one.owner_ids()), "versions": self.one.state()["versions"]}}
@@ -358,11 +383,11 @@ def _agree(a: dict, b: dict, layout: str) -> bool:
 
 
 def rank_task(layout: str, seed: int, steps: int, defect: int | None = None, small_pool: bool = True,
-              fp8: bool = False) -> dict:
+              fp8: bool = False, geometry: tuple | None = None) -> dict:
     """Run one seeded sequence on this rank (every rank of the group calls it); the figures, or the first wrong.
     fp8: FP8 pools (set_scales is accepted while nothing is held, and the outputs read the scales)."""
     with mutant(defect):
-        world = RankWorld(layout, seed, small_pool, fp8)
+        world = RankWorld(layout, seed, small_pool, fp8, geometry)
         figures: Counter = Counter()
         for op in range(steps):
             drawn = world.draw()
@@ -439,11 +464,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mutant", type=int, default=None, choices=sorted(MUTANTS))
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--pool", default="fp32", choices=("fp32", "fp8", "both"))
+    parser.add_argument("--page-sizes", action="store_true",
+                        help="each seed draws its frame length, chunk, sink and block size (`draw_geometry`)")
     args = parser.parse_args(argv)
     layouts = LAYOUTS if args.layout == "all" else (args.layout,)
     pools = {"fp32": (False,), "fp8": (True,), "both": (False, True)}[args.pool]
-    jobs = [(layout, args.seed + s, args.steps, args.mutant, True, fp8) for fp8 in pools for layout in layouts
-            for s in range(args.seeds)]
+    jobs = [(layout, args.seed + s, args.steps, args.mutant, True, fp8,
+             draw_geometry(args.seed + s) if args.page_sizes else None)
+            for fp8 in pools for layout in layouts for s in range(args.seeds)]
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

@@ -30,6 +30,8 @@ class RowLayout:
     positions: logical position of each query token, -1 for a padded token (never written or read).
     visible_end: query t sees logical keys [0, visible_end[t]); 0 for padded tokens.
     seq_len:   valid logical positions of the row.
+    kv_gap:    logical keys [kv_gap[0], kv_gap[1]) are seen by no query (e.g. what lies between a window's sink
+               and its recent tokens, `families/dreamzero.py`); (0, 0): none.
 
     `arrays` holds numpy views of (table, managed, positions, visible_end) and `max_position` the largest
     position (-1 if none): the metadata builder (`metadata.py`) copies the arrays into its staging buffer
@@ -43,6 +45,7 @@ class RowLayout:
     positions: torch.Tensor  # int32 [t]
     visible_end: torch.Tensor  # int32 [t]
     seq_len: int
+    kv_gap: tuple[int, int] = (0, 0)
     arrays: tuple[np.ndarray, ...] = field(init=False, repr=False)
     max_position: int = field(init=False)
 
@@ -66,6 +69,7 @@ class RowLayout:
         visible_end: "torch.Tensor | np.ndarray",
         seq_len: int,
         max_position: int | None = None,
+        kv_gap: tuple[int, int] = (0, 0),
     ) -> "RowLayout":
         """`max_position`: the plan's own bound on `positions` when it knows it (an arange); else computed."""
         m = len(managed_blocks)
@@ -81,6 +85,7 @@ class RowLayout:
         for name, value in zip(("table", "managed", "positions", "visible_end"), arrays):
             object.__setattr__(row, name, torch.from_numpy(value))
         object.__setattr__(row, "seq_len", seq_len)
+        object.__setattr__(row, "kv_gap", kv_gap)
         row._set(arrays, max_position)
         return row
 

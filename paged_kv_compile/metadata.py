@@ -2,7 +2,8 @@
 
 What the host builds and copies is the same for every layer: each row's block table as layer-0 ids (local
 ids where a block is managed, absolute scratch ids elsewhere), which entries are managed, the logical position
-of every query token (-1: padding), ``seq_lens`` and ``kv_visible_end``. All of it lives in one device
+of every query token (-1: padding), ``seq_lens``, ``kv_visible_end`` and ``kv_gap`` (per row the logical keys
+no query sees, `layout.RowLayout.kv_gap`). All of it lives in one device
 allocation per bucket, filled by ONE host-to-device copy from one staging buffer per forward. Layer l's
 op inputs follow from it and one per-layer base (`pool.py`: layer l's block b is ``l * blocks_per_layer + b``):
 ``block_table = table0 + managed * base_l`` and ``slot_mapping[t] = block_table[pos_t // B] * B + pos_t % B``
@@ -114,20 +115,21 @@ class BucketMetadata:
         #: blocks per row of the region table: the shared write-once region each row reads (regions.py)
         self.region_width = Mr = max(1, -(-region_tokens // pool.block_size))
         staged = [((R, T), torch.int32), ((R, M), torch.int32), ((R, M), torch.bool), ((R,), torch.int32),
-                  ((R, T), torch.int32), ((R, Mr), torch.int32), ((R, Mr), torch.bool), ((R,), torch.int32),
-                  ((R, T), torch.int32)]
+                  ((R, T), torch.int32), ((R, 2), torch.int32), ((R, Mr), torch.int32), ((R, Mr), torch.bool),
+                  ((R,), torch.int32), ((R, T), torch.int32)]
         nbytes = _buffer_bytes(staged)
         self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.host_buffer = torch.zeros(2, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        (self.positions, self.table0, self.table_managed, self.seq_lens, self.kv_visible_end, self.region_table0,
-         self.region_managed, self.region_seq_lens, self.region_visible_end) = _carve(self.device_buffer, staged)
+        (self.positions, self.table0, self.table_managed, self.seq_lens, self.kv_visible_end, self.kv_gap,
+         self.region_table0, self.region_managed, self.region_seq_lens, self.region_visible_end) = _carve(
+            self.device_buffer, staged)
         self._region_staged = [True, True]  # per staging buffer: its region table may hold regions (reset it)
         self._device_regions = True  # the device buffer's region table may hold regions
         self.block_size = pool.block_size
         # What an upload copies: the whole buffer, or only the window part (everything before the region table)
         # while neither the staging buffer nor the device buffer holds a region (a runtime without regions: the
         # region table's (R, T) visible ends would otherwise be a third of the bytes copied).
-        window = _buffer_bytes(staged[:5])
+        window = _buffer_bytes(staged[:6])
         self._device_parts = (self.device_buffer, self.device_buffer[:window])
         self._host_parts = [(self.host_buffer[i], self.host_buffer[i][:window]) for i in range(2)]
         # numpy views of the two staging buffers (those parts, and carved like the device buffer) and, for CPU
@@ -177,12 +179,13 @@ class BucketMetadata:
     def fill_with_padding(self) -> None:
         """A valid all-padding state: nothing written, nothing visible (before the first forward, warm-up)."""
         i = self.stage()
-        positions, table0, table_managed, seq, vis = self.views[i][:5]
+        positions, table0, table_managed, seq, vis, gap = self.views[i][:6]
         positions[:] = -1
         vis[:] = 0
         table0[:] = self.pad_block
         table_managed[:] = False
         seq[:] = 0
+        gap[:] = 0
         self.stage_regions(i, None)
         self.upload(i, (0, 0))
         self.last_key = ()
@@ -192,7 +195,7 @@ class BucketMetadata:
         full, or nothing (pad block, length 0). Skipped while neither this forward nor the buffer has regions."""
         if not regions and not self._region_staged[i]:
             return
-        table0, managed, seq, vis = self.views[i][5:]
+        table0, managed, seq, vis = self.views[i][6:]
         table0[:] = self.pad_block
         managed[:] = False
         seq[:] = 0
@@ -287,7 +290,7 @@ class MetadataBuilder:
         # fails half-way can never be skipped as a repeat of the previous key (another request's layout).
         meta.last_key = ()
         i = meta.stage()  # waits for its last copy
-        positions, table0, table_managed, seq, vis = meta.views[i][:5]
+        positions, table0, table_managed, seq, vis, gap = meta.views[i][:6]
         meta.stage_regions(i, regions)
         tp, mp = meta.extent[i]
         # Until the upload records what was written, assume everything may be (a write that raised half-way).
@@ -301,6 +304,7 @@ class MetadataBuilder:
             positions[r, :t] = pos
             vis[r, :t] = ends
             seq[r] = row.seq_len
+            gap[r] = row.kv_gap
             if tp > t:
                 positions[r, t:tp] = -1
                 vis[r, t:tp] = 0
@@ -315,6 +319,7 @@ class MetadataBuilder:
             table0[n:, :mp] = meta.pad_block
             table_managed[n:, :mp] = False
             seq[n:] = 0
+            gap[n:] = 0
         meta.upload(i, (used_t, used_m))
         self.builds += 1
         meta.last_key = key
@@ -337,6 +342,12 @@ class MetadataBuilder:
                 raise RequestError(
                     f"row {r} needs {m} blocks, beyond bucket {bucket}'s table width {width}; "
                     "add a bucket with a larger context"
+                )
+            g0, g1 = row.kv_gap
+            if not 0 <= g0 <= g1 <= row.seq_len:
+                raise RequestError(
+                    f"row {r} hides logical keys [{g0}, {g1}) of its {row.seq_len}: a kv_gap must be an interval "
+                    "within the row (or (0, 0)): the plan's layout is inconsistent"
                 )
             if row.max_position >= m * block_size:
                 raise RequestError(

@@ -403,20 +403,36 @@ class Scheduler:
         state = fam.fork_state(parent, self, **args)
         budget = fam.fork_budget(parent, self, **args)
         self._check_new_id(child_id)
-        shared = [b for row in parent.rows for b in row]
+        private = fam.fork_private(parent, self)  # blocks a later forward writes: the child gets its own copies
+        copies = sum(len(p) for p in private)
+        rows = [list(r) for r in parent.rows]
+        shared = [b for row, own in zip(rows, private) for i, b in enumerate(row) if i not in own]
         victim = self._lru_victim(fam, sparing=parent_id)
         # Without a budget the child's own commits need what the parent's do (history is shared until then).
         self._check_reserved(f"forking {parent_id!r} into {child_id!r}", parent.reserved, victim, shared=parent,
-                             budget=budget)
+                             budget=None if budget is None else budget + copies)
         if victim is not None:
             self._release(victim, "evicted (LRU cap on live sessions)")
+        if copies:
+            taken = iter(self.allocate_rows([copies])[0])
+            for row, source, own in zip(rows, parent.rows, private):
+                for i in own:
+                    row[i] = next(taken)
+                    self._copy_block(source[i], row[i])
         self.allocator.share(shared)
         self.regions.fork(parent_id, child_id, self.allocator)
         self.prefix_cache.fork(parent_id, child_id)
         self.sharing.update((parent_id, child_id))
-        self.owners[child_id] = Owner(child_id, parent.family, parent.spec, [list(r) for r in parent.rows],
+        self.owners[child_id] = Owner(child_id, parent.family, parent.spec, rows,
                                       phases_done=set(parent.phases_done), state=state, serial=next(self._serials),
                                       reserved=parent.reserved, take_budget=budget, prefix_ready=parent.prefix_ready)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Copy local block `src`'s K/V (and FP8 scales) into local block `dst`, in every layer."""
+        for base in self.pool.layer_bases.tolist():  # slices and copy_: FP8 pools have no index_put on the CPU
+            for held in (self.pool.tensor, self.pool.scales):
+                if held is not None:
+                    held[:, base + dst].copy_(held[:, base + src])
 
     def release(self, owner_id: str) -> None:
         """End a session/request normally; all its blocks are freed."""

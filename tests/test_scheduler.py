@@ -203,8 +203,6 @@ BAD_CASES = [
     ("too many rows", lambda rt: rt.admit("x", DZ, rows=3), RequestError, "max_rows"),
     ("window below chunk", lambda rt: rt.admit("x", DreamZeroSpec(8, 3, 2)), ConfigError,
      "smaller than a chunk"),
-    ("block size vs frame", lambda rt: rt.admit("x", DreamZeroSpec(6, 1, 4)), ConfigError,
-     "does not divide frame_seqlen"),
     ("larger than pool", lambda rt: rt.admit("x", HunyuanSpec((4 * 70,), 4)), CapacityError,
      "can never fit"),
     ("prefix capacity too small", lambda rt: rt.scheduler.plan("live_r", "prefill", prefix_capacity=2),
@@ -212,6 +210,22 @@ BAD_CASES = [
     ("another family's kind", lambda rt: rt.scheduler.plan("live_r", "commit"), RequestError, "unknown phase 'commit'"),
     ("target span too long", lambda rt: rt.admit("x", HunyuanSpec((3,), 200)), ConfigError, "scratch"),
 ]
+
+
+def test_page_size_block_not_dividing_frame_is_admitted():
+    """Blocks that divide no frame (6-token frames in 4-token blocks) were refused ("DreamZero pages by frame");
+    now a block holds tokens of any frames: the second commit continues the first one's partial block."""
+    rt = make_runtime()
+    rt.admit("x", DreamZeroSpec(6, 1, 4))
+    first = rt.scheduler.plan("x", "commit")
+    assert [len(b) for b in first.new_blocks] == [2, 2]  # 6 tokens: one full block and half of the next
+    run_forward(rt, first)
+    second = rt.scheduler.plan("x", "commit")
+    assert [len(b) for b in second.new_blocks] == [1, 1]  # tokens 6..11: the rest of block 1, then block 2
+    assert second.rows[0].positions.tolist() == list(range(6, 12))
+    assert second.rows[0].table[:3].tolist() == rt.scheduler.owners["x"].rows[0] + second.new_blocks[0]
+    run_forward(rt, second)
+    assert [len(r) for r in rt.scheduler.owners["x"].rows] == [3, 3]
 
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])

@@ -246,6 +246,13 @@ class Family(abc.ABC):
             "implement fork_state"
         )
 
+    def fork_private(self, owner: Owner, blocks: BlockSource) -> list[list[int]]:
+        """Per row, which of `owner.rows[r]` (indices) a fork's child must get its own copy of instead of sharing:
+        blocks a later forward of the parent or the child writes (e.g. a partly filled last block). The scheduler
+        takes a block per index, copies the K/V into it at the fork and counts it in the child's reservation.
+        Default: none (every block is shared)."""
+        return [[] for _ in owner.rows]
+
     def fork_budget(self, owner: Owner, blocks: BlockSource, **args: Any) -> int | None:
         """How many managed blocks per layer a fork of `owner` made with `args` may take in all (None: no budget;
         the child then reserves what `owner` does). A budget lets a short-lived fork (a candidate that commits once)

@@ -1,10 +1,13 @@
 """DreamZero: an autoregressive video world model with a sliding KV window per CFG branch.
 
-A session keeps a chunk-granular sliding window (plus an optional resident sink) of committed history
-per row. A commit forward writes the chunk into new managed blocks, which become history when it
-finishes (out-of-window blocks are freed); a denoising forward writes the chunk and the action tokens
-to per-row scratch and throws them away. The dense model reads its cache as one `(2, B, L, H, D)`
-tensor per layer; in paged mode it gets a zero-stride stand-in of that shape.
+A session keeps a sliding window (plus an optional resident sink) of committed history per row, as tokens in
+blocks of any size (`RowWindow`: a block may hold parts of several frames; a partly filled last block is continued
+by the next commit; a block is freed when none of its tokens is visible). A commit forward writes the chunk after
+the history (the rest of the last block, then new managed blocks), which becomes history when it finishes; a
+denoising forward writes the chunk and the action tokens after the history too (the last block's unused tail, then
+per-row scratch) and throws them away. One `kv_gap` per row hides what lies between the sink and the window.
+The dense model reads its cache as one `(2, B, L, H, D)` tensor per layer; in paged mode it gets a zero-stride
+stand-in of that shape.
 """
 
 from __future__ import annotations
@@ -153,9 +156,7 @@ def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessio
     when the loop resets at frame 20), which admission reserves (`reserve`), so a pool built here admits exactly
     `sessions` sessions of `rows` rows, a fork counting as one, and none of them ever waits for a block."""
     block_size = block_size or model_cfg.frame_seqlen
-    tokens_per_row = model_cfg.max_attention_size  # admission refuses a block that does not divide a frame
-    if model_cfg.frame_seqlen % block_size == 0:
-        tokens_per_row = session_blocks_per_row(DreamZeroSpec.from_model_config(model_cfg), block_size) * block_size
+    tokens_per_row = session_blocks_per_row(DreamZeroSpec.from_model_config(model_cfg), block_size) * block_size
     cfg = pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
         block_size=block_size, owners=sessions, rows=rows, tokens_per_row=tokens_per_row,
@@ -169,37 +170,95 @@ def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessio
     return cfg
 
 
-def _window_blocks(spec: DreamZeroSpec, row: list, block_size: int, windowed: int) -> tuple[list, list]:
-    """(kept, dropped) of a row's history blocks when `windowed` more tokens join the window: the sink, then the
-    most recent blocks that fit beside it and the new tokens. The one rule of what a window holds: what a forward
-    sees (`windowed` = its chunk) and what a finished commit keeps (`windowed` = the next chunk) both follow it."""
-    sink = min(len(row), spec.sink_tokens // block_size)
-    keep = max((spec.window_tokens - spec.sink_tokens - windowed) // block_size, 0)
-    rest = row[sink:]
-    recent = rest[max(len(rest) - keep, 0):] if keep else []
-    return row[:sink] + recent, rest[: len(rest) - len(recent)]
+@dataclass(frozen=True)
+class RowWindow:
+    """Which of a row's `history` committed tokens (since its last reset) a forward with `windowed` new tokens sees,
+    and which history blocks it must hold: the one rule of what a window holds. What a forward reads (`windowed` =
+    its chunk) and what a finished commit keeps (`windowed` = the next chunk) both follow it.
+
+    Tokens fill blocks of any size in commit order (history token p lies in history block p // B at offset p % B),
+    so neither a frame nor a chunk needs to fill a block. Visible: the sink `[0, sink_end)` and the most recent
+    tokens `[recent_start, history)` that fit beside it and the new tokens. Held: the `sink_blocks` first history
+    blocks and the history blocks `[first_recent, history_blocks)`: a block is freed only when none of its tokens
+    is visible any more and no commit will write it (a partial last block is held: the next commit continues it).
+    """
+
+    history: int
+    block_size: int
+    sink_end: int
+    recent_start: int
+    sink_blocks: int
+    first_recent: int
+
+    @classmethod
+    def of(cls, spec: DreamZeroSpec, history: int, block_size: int, windowed: int) -> "RowWindow":
+        B, S = block_size, spec.sink_tokens
+        blocks = ceil_div(history, B)
+        keep = max(spec.window_tokens - S - windowed, 0)
+        recent_start = min(max(S, history - keep), history)
+        sink_blocks = ceil_div(min(S, history), B)
+        return cls(history, B, min(S, history), recent_start, sink_blocks,
+                   min(max(sink_blocks, recent_start // B), blocks))
+
+    @property
+    def history_blocks(self) -> int:
+        return ceil_div(self.history, self.block_size)
+
+    @property
+    def held(self) -> int:
+        """How many history blocks the row holds."""
+        return self.sink_blocks + self.history_blocks - self.first_recent
+
+    def logical(self, first_held_recent: int) -> tuple[int, tuple[int, int]]:
+        """(logical end of the history, kv_gap) of a row whose table lists its sink blocks then its recent history
+        blocks from history block `first_held_recent` on: `[sink blocks][recent blocks][new]`, the gap covering
+        what lies between the sink's last token and the first recent one (0, 0 when nothing does)."""
+        if first_held_recent > self.first_recent:
+            raise AssertionError(f"a row holds history blocks from {first_held_recent} on but its window starts in "
+                                 f"block {self.first_recent}: a visible block was freed")
+        shift = (self.sink_blocks - first_held_recent) * self.block_size  # history position -> logical position
+        end, gap_end = self.history + shift, self.recent_start + shift
+        return end, ((self.sink_end, gap_end) if gap_end > self.sink_end else (0, 0))
+
+
+def history_tokens(spec: DreamZeroSpec, commits: int) -> int:
+    """The history tokens of a row after `commits` commits since its last reset (a first commit, then chunks)."""
+    return 0 if commits == 0 else spec.phase("commit", first=True)[0] + (commits - 1) * spec.phase("commit")[0]
+
+
+def commit_new_blocks(history_end: int, held: int, tokens: int, block_size: int) -> int:
+    """Blocks a commit of `tokens` takes for a row whose logical history ends at `history_end` in `held` blocks:
+    it first fills the held last block (a partial one), then fresh ones."""
+    return max(ceil_div(history_end + tokens, block_size) - held, 0)
 
 
 @functools.lru_cache(maxsize=256)
 def session_blocks_per_row(spec: DreamZeroSpec, block_size: int) -> int:
     """The most managed blocks one row of a session ever holds: its real need, what admission checks.
 
-    Follows the loop's commits (`plan`/`finish` below) on block counts: a commit holds the row's history plus
+    Follows the loop's commits (`plan`/`finish` below) on token counts: a commit holds the row's history plus
     its new blocks until it finishes and evicts. With `reset_frames` only the commits before the reset run (a
     chunk ending at the reset frame is never committed), so DreamZero-14B (window 21 frames, reset at 20, chunk
     2) needs 18 frames per row, not the 21 of a full window; without a reset the window slides and the
-    steady state (history full, one chunk in flight) is reached within `window_frames` commits.
+    steady state is reached once the history passes the window (a block size that divides neither frame nor chunk
+    repeats with a longer period: the loop follows every phase of it).
     """
-    F, B = spec.frame_seqlen, block_size
-    held = peak = frame = 0
-    for _ in range(spec.window_frames + 2):  # every commit adds >= 1 frame: steady by then
-        first = held == 0  # as `plan` decides: a commit into an empty window is a first commit
-        frames = spec.first_commit_frames if first and spec.first_commit_frames is not None else spec.chunk_frames
+    B = block_size
+    peak = frame = commits = 0
+    window = RowWindow.of(spec, 0, B, spec.chunk_tokens)
+    # the window's block alignment repeats after lcm(B, chunk) tokens past the window: steady by then
+    period = np.lcm(B, max(spec.chunk_tokens, 1)) // max(spec.chunk_tokens, 1)
+    for _ in range(spec.window_frames + 2 + int(period)):
+        frames = (spec.first_commit_frames if commits == 0 and spec.first_commit_frames is not None
+                  else spec.chunk_frames)
         if spec.reset_frames is not None and frame + frames >= spec.reset_frames:
             break
-        new = frames * F // B
-        peak = max(peak, held + new)
-        held = len(_window_blocks(spec, [None] * (held + new), B, spec.chunk_tokens)[0])
+        now = RowWindow.of(spec, window.history, B, spec.phase("commit", first=commits == 0)[0])
+        end, _ = now.logical(window.first_recent)
+        new = commit_new_blocks(end, window.held, frames * spec.frame_seqlen, B)
+        peak = max(peak, window.held + new)
+        commits += 1
+        window = RowWindow.of(spec, history_tokens(spec, commits), B, spec.chunk_tokens)
         frame += frames
     return peak
 
@@ -218,12 +277,7 @@ class DreamZeroFamily(Family):
         return 2 if requested is None else requested  # one per CFG branch unless CFG-parallel splits them
 
     def admission_blocks(self, spec: DreamZeroSpec, rows: int, blocks: BlockSource) -> list[int]:
-        B = blocks.block_size
-        if spec.frame_seqlen % B:
-            raise ConfigError(
-                f"block_size={B} does not divide frame_seqlen={spec.frame_seqlen}: DreamZero pages by frame; "
-                f"choose a block_size that divides {spec.frame_seqlen}"
-            )
+        B = blocks.block_size  # any size: a block holds tokens of any frames (`RowWindow`)
         if spec.chunk_tokens + spec.sink_tokens > spec.window_tokens:
             raise ConfigError(
                 f"the window ({spec.window_frames} frames) is smaller than a chunk ({spec.chunk_frames} frames) "
@@ -261,18 +315,20 @@ class DreamZeroFamily(Family):
         spec: DreamZeroSpec = owner.spec
         commit = kind == "commit"
         run = list(range(owner.num_rows)) if branch is None else [branch]
-        n, a = spec.phase(kind, first=commit and all(not owner.rows[r] for r in run))
+        n, a = spec.phase(kind, first=commit and all(owner.state.commits[r] == 0 for r in run))
         B = blocks.block_size
+        windows = [self._window(owner, r, B, n) for r in run]
+        counts = [commit_new_blocks(w[1], len(owner.rows[r]), n, B) if commit else 0 for r, w in zip(run, windows)]
         if commit:
-            self._check_within_admission(owner, run, n // B, B)
-        taken = blocks.allocate_rows([n // B] * len(run)) if commit else []
+            self._check_within_admission(owner, run, counts, B)
+        taken = blocks.allocate_rows(counts) if commit else []
         new_blocks: list[list[int]] = [[] for _ in owner.rows] if commit else []
         for r, ids in zip(run, taken):
             new_blocks[r] = ids
 
         def make() -> list[RowLayout]:
-            return [self._row(spec, blocks, i, owner.rows[r], new_blocks[r] if commit else [], n, a)
-                    for i, r in enumerate(run)]
+            return [self._row(blocks, i, owner.rows[r], new_blocks[r] if commit else [], end, gap, n, a)
+                    for i, (r, (_, end, gap)) in enumerate(zip(run, windows))]
 
         try:
             layouts = make() if commit else reuse_layouts(
@@ -286,10 +342,18 @@ class DreamZeroFamily(Family):
                            phase={"chunk_tokens": n, "action_tokens": a}, owner_rows=run)
 
     @staticmethod
-    def _check_within_admission(owner: Owner, run: list[int], new: int, block_size: int) -> None:
+    def _window(owner: Owner, r: int, block_size: int, windowed: int) -> tuple[RowWindow, int, tuple[int, int]]:
+        """Row `r`'s window for a forward of `windowed` new tokens, its logical history end and its kv_gap."""
+        spec: DreamZeroSpec = owner.spec
+        window = RowWindow.of(spec, history_tokens(spec, owner.state.commits[r]), block_size, windowed)
+        first_held = window.history_blocks - (len(owner.rows[r]) - window.sink_blocks)
+        return (window, *window.logical(first_held))
+
+    @staticmethod
+    def _check_within_admission(owner: Owner, run: list[int], counts: list[int], block_size: int) -> None:
         """A commit may not make a row hold more than admission sized the session for (its loop's real need)."""
         limit = session_blocks_per_row(owner.spec, block_size)
-        for r in run:
+        for r, new in zip(run, counts):
             if len(owner.rows[r]) + new > limit:
                 raise RequestError(
                     f"this commit would make row {r} of session {owner.owner_id!r} hold {len(owner.rows[r]) + new} "
@@ -299,31 +363,39 @@ class DreamZeroFamily(Family):
                 )
 
     @staticmethod
-    def _row(spec: DreamZeroSpec, blocks: BlockSource, i: int, row: list[int], new: list[int], n: int,
+    def _row(blocks: BlockSource, i: int, row: list[int], new: list[int], h: int, gap: tuple[int, int], n: int,
              a: int) -> RowLayout:
-        """[visible history | chunk (new managed blocks, or scratch) | registers (scratch)]; i: the forward's row."""
+        """[sink blocks | recent blocks | chunk | registers] from logical position `h` on, `gap` hiding what lies
+        between the sink and the recent tokens; i: the forward's row. The chunk and registers continue the row's last
+        (partial) block: a commit's chunk then fills `new` managed blocks, everything else lands in scratch. A
+        denoising forward writes the unused tail of that partial block, which no one else holds (`fork_private`)
+        and no one reads (beyond the row's history; the next commit writes it again)."""
         B = blocks.block_size
-        visible, _ = _window_blocks(spec, row, B, n)
-        h = len(visible) * B
-        managed = visible + new
+        managed = row + new
         scratch = blocks.scratch(i, len(managed), (h + n + a - 1) // B)
         positions = np.arange(h, h + n + a, dtype=np.int32)
         ends = np.full(n + a, h + n + a, dtype=np.int32)
-        return RowLayout.build(managed, scratch, positions, ends, h + n + a, max_position=h + n + a - 1)
+        return RowLayout.build(managed, scratch, positions, ends, h + n + a, max_position=h + n + a - 1, kv_gap=gap)
 
     def finish(self, owner: Owner, plan: ForwardPlan, blocks: BlockSource) -> None:
         """A commit becomes history; blocks no later forward can read (out of the window) are freed."""
         if plan.kind != "commit":
             return
-        # Keep what any later forward can read: the sink and the most recent tokens beside a next chunk.
-        for r, new in enumerate(plan.new_blocks):
-            kept, evicted = _window_blocks(owner.spec, owner.rows[r] + new, blocks.block_size, owner.spec.chunk_tokens)
-            if evicted:
-                blocks.free(evicted)
-            owner.rows[r] = kept
-        commits = owner.state.commits
-        for r, new in enumerate(plan.new_blocks):
-            commits[r] += bool(new)
+        # Keep what any later forward can read or write: the sink and the most recent tokens beside a next chunk.
+        spec, B = owner.spec, blocks.block_size
+        rows = plan.owner_rows if plan.owner_rows is not None else range(owner.num_rows)
+        for r in rows:
+            before = RowWindow.of(spec, history_tokens(spec, owner.state.commits[r]), B, spec.chunk_tokens)
+            first_held = before.history_blocks - (len(owner.rows[r]) - before.sink_blocks)
+            owner.state.commits[r] += 1
+            after = RowWindow.of(spec, history_tokens(spec, owner.state.commits[r]), B, spec.chunk_tokens)
+            held = owner.rows[r] + plan.new_blocks[r]  # history blocks [0, sink) and [first_held, history_blocks)
+            # the sink grows only while it fills, and then the row held nothing else: recent blocks start at
+            # history block max(first_held, after.sink_blocks)
+            sink, recent = held[: after.sink_blocks], held[after.sink_blocks:]
+            drop = max(after.first_recent - max(first_held, after.sink_blocks), 0)
+            blocks.free(recent[:drop])
+            owner.rows[r] = sink + recent[drop:]
         owner.version += 1
 
     # ---- forks ----------------------------------------------------------------------------------
@@ -333,10 +405,11 @@ class DreamZeroFamily(Family):
     def fork_state(self, owner: Owner, blocks: BlockSource, *, commits: int | None = None) -> DreamZeroRecord:
         """A session can be forked between forwards when every row has committed the same chunks.
 
-        No copy-on-write is ever needed: admission requires block_size | frame_seqlen and every commit
-        writes whole frames into blocks it takes for itself (`plan`), so every history block is full and a
-        child's next commit writes only blocks it allocates. The scheduler checks that no plan writes a
-        block with more than one owner (`Scheduler._check_writes`). commits: see `fork_budget`.
+        No one ever writes a shared block: a forward writes only its row's last history block (when partial:
+        its next tokens continue it) and blocks it takes, and the child gets its own copy of every partial last
+        block at the fork (`fork_private`); full history blocks are shared and only read. The scheduler checks
+        that no plan writes a block with more than one owner (`Scheduler._check_writes`). commits: see
+        `fork_budget`.
         """
         if commits is not None and (not isinstance(commits, int) or isinstance(commits, bool) or commits < 0):
             raise RequestError(f"commits={commits!r}: a fork's commit budget is a count of chunks (an int >= 0), "
@@ -357,8 +430,15 @@ class DreamZeroFamily(Family):
         if commits is None:
             return None
         spec: DreamZeroSpec = owner.spec
-        largest = max(spec.phase("commit", first=True)[0], spec.phase("commit")[0]) // blocks.block_size
+        largest = ceil_div(max(spec.phase("commit", first=True)[0], spec.phase("commit")[0]), blocks.block_size)
         return owner.num_rows * commits * largest
+
+    def fork_private(self, owner: Owner, blocks: BlockSource) -> list[list[int]]:
+        """Per row, the index in `owner.rows[r]` of its last block when that block is partial: the next forward of
+        either side writes its tail, so the child gets a copy of it (the scheduler copies it at the fork)."""
+        B = blocks.block_size
+        return [[len(row) - 1] if row and history_tokens(owner.spec, c) % B else []
+                for row, c in zip(owner.rows, owner.state.commits)]
 
     def history_dropped(self, owner: Owner) -> None:
         owner.state = self.new_state(owner.spec, owner.num_rows)
@@ -438,7 +518,8 @@ class DreamZeroFamily(Family):
 def _check_rolling_history(expect: RollingExpect, owner: Owner, plan: ForwardPlan) -> None:
     """The session's visible history (per row of the forward) must be exactly what the frame's fill state reads."""
     for i, row in enumerate(plan.rows):
-        visible = int(row.arrays[2][0])  # `_row`: the forward's tokens follow the visible history
+        g0, g1 = row.kv_gap  # `_row`: the forward's tokens follow the history, of which the gap is not seen
+        visible = int(row.arrays[2][0]) - (g1 - g0)
         if visible != expect.history_tokens:
             raise RequestError(
                 f"this rolling-cache frame reads {expect.history_tokens} history tokens (its fill state: the cache "

@@ -46,6 +46,9 @@ class ExtraInput:
 POOL = ExtraInput("paged_kv_pool", "pool", "tensor")
 SEQ_LENS = ExtraInput("paged_kv_seq_lens", "metadata", "seq_lens")
 VISIBLE_END = ExtraInput("paged_kv_visible_end", "metadata", "kv_visible_end")
+# per row the logical keys no query sees (`layout.RowLayout.kv_gap`: a window's evicted head inside a block, what lies
+# between a sink and the recent tokens), built once per forward like seq_lens
+KV_GAP = ExtraInput("paged_kv_kv_gap", "metadata", "kv_gap")
 KV_SCALES = ExtraInput("paged_kv_kv_scales", "pool", "scales", "fp8")
 # what every layer's slot mapping and block table are computed from in the graph (`metadata.py: layer_metadata`)
 POSITIONS = ExtraInput("paged_kv_positions", "metadata", "positions")
@@ -58,7 +61,7 @@ REGION_SEQ_LENS = ExtraInput("paged_kv_region_seq_lens", "metadata", "region_seq
 REGION_VISIBLE_END = ExtraInput("paged_kv_region_visible_end", "metadata", "region_visible_end", "regions")
 
 #: the inputs shared by every site of a graph, in the order they are added (each when present)
-SHARED = (POOL, SEQ_LENS, VISIBLE_END, KV_SCALES, POSITIONS, TABLE0, TABLE_MANAGED,
+SHARED = (POOL, SEQ_LENS, VISIBLE_END, KV_GAP, KV_SCALES, POSITIONS, TABLE0, TABLE_MANAGED,
           REGION_TABLE0, REGION_MANAGED, REGION_SEQ_LENS, REGION_VISIBLE_END)
 
 

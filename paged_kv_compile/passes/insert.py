@@ -1,7 +1,7 @@
 """Graph surgery of the rewrite: add the extra inputs, replace an attention site by the paged op.
 
 A matched KV-cache site becomes ``write_attend(q, k_new, v_new, pool, slot_mapping, block_table, seq_lens,
-kv_visible_end)``, its layer's slot mapping and block table computed in the graph from the shared metadata and
+kv_visible_end, kv_gap=)``, its layer's slot mapping and block table computed in the graph from the shared metadata and
 the layer's base (`metadata.py: layer_metadata`), and its stores into stand-ins are dropped (the op writes the
 pool). A shared-region site becomes ``attend(q, pool, region table, ...)`` (`metadata.py: layer_block_table`).
 The op's tensors are SDPA's inputs in token-major (B, S, H, D) order (`to_bshd`); its output goes back to
@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ..metadata import layer_block_table, layer_metadata
 from .extra_inputs import (
+    KV_GAP,
     KV_SCALES,
     POOL,
     POSITIONS,
@@ -107,7 +108,7 @@ def insert_write_attend(graph: fx.Graph, site: Site, match: Match, nodes: InputN
             torch.ops.paged_kv.write_attend.default,
             (q, k, v, pool, slot, table, nodes[SEQ_LENS], nodes[VISIBLE_END], _scale(node, site.args), kernel,
              match.visibility),
-            _scales(nodes),
+            {**_scales(nodes), "kv_gap": nodes[KV_GAP]},
         )
     _replace(graph, node, out)
     for store in site.writes.stores:
