@@ -222,7 +222,7 @@ def op_overhead(repeats: int = 20, calls: int = 200) -> dict:
 
     fns = {"op (lean dispatch)": loop(lambda: op(*args, "reference", "full")),
            "op (custom_op layers)": through_custom_op_layers,
-           "kernel function alone": loop(lambda: wa._run(*args, "reference", "full", None))}
+           "kernel function alone": loop(lambda: wa._run(*args, "reference", "full", None, None))}
     times = interleaved(fns, repeats, clock=time.thread_time)
     return {name: {"median_us": round(statistics.median(t) / calls * 1e6, 1),
                    "min_us": round(min(t) / calls * 1e6, 1)} for name, t in times.items()}
