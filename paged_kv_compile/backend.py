@@ -159,8 +159,9 @@ def paged_kv_backend(gm: fx.GraphModule, example_inputs: list, options: dict | N
     new_gm = _copy_graph_module(gm)
     before = new_gm.print_readable(print_output=False)
     fp8 = runtime is not None and runtime.pool.scales is not None
+    gaps = runtime is None or runtime.config.kv_gaps
     result = rewrite(new_gm, example_inputs, is_standin=binding.is_standin, kernel=opts["kernel"], strict=opts["strict"],
-                     kv_scales=fp8, is_region=binding.is_region_standin, idioms=families.accepted_idioms())
+                     kv_scales=fp8, kv_gaps=gaps, is_region=binding.is_region_standin, idioms=families.accepted_idioms())
     _record(result)
     maybe_dump(opts["dump_dir"], before, result)
     if not result.changed:

@@ -63,6 +63,11 @@ class PagedKVConfig:
     #: the most tokens of a shared write-once region (regions.py) a compiled graph reads, e.g. DreamZero's
     #: cross_len: sizes each bucket's region table (metadata.py); 0 = no compiled graph reads a region
     region_tokens: int = 0
+    #: whether an owner's row may hide keys inside its table (`layout.RowLayout.kv_gap`: a window that starts
+    #: inside a block, a sink that ends inside one). False leaves the op's kv_gap input out of every compiled
+    #: graph, so flash-attn serves each row in one call instead of splitting it; a plan with a gap is then refused
+    #: (metadata.py). Family configs set it from their geometry (`dreamzero_runtime_config`)
+    kv_gaps: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -241,11 +241,14 @@ class BucketMetadata:
 class MetadataBuilder:
     """Builds a forward's metadata for all layers at once, vectorized, and counts the copies."""
 
-    def __init__(self, pool: KVPool, device: torch.device | str | None = None, region_tokens: int = 0) -> None:
+    def __init__(self, pool: KVPool, device: torch.device | str | None = None, region_tokens: int = 0,
+                 kv_gaps: bool = True) -> None:
         """`device` defaults to the pool's; a "meta" pool with CPU metadata measures host cost alone.
-        `region_tokens`: the longest shared region a forward's rows read (config.region_tokens)."""
+        `region_tokens`: the longest shared region a forward's rows read (config.region_tokens). `kv_gaps`
+        (config.kv_gaps): False when the compiled graphs take no kv_gap, so a row with a gap is refused."""
         self.pool = pool
         self.region_tokens = region_tokens
+        self.kv_gaps = kv_gaps
         self.device = torch.device(device) if device is not None else pool.tensor.device
         self.buckets: dict[Bucket, BucketMetadata] = {}
         self.builds = 0
@@ -276,7 +279,7 @@ class MetadataBuilder:
         meta = self.buffers(bucket)
         if key and key == meta.last_key:
             return meta
-        self._check_fits(bucket, meta.width, rows, self.pool.block_size)
+        self._check_fits(bucket, meta.width, rows, self.pool.block_size, self.kv_gaps)
         if not self.region_tokens:
             regions = None  # no compiled graph of this runtime reads a region (a region site refuses to compile)
         for r, region in enumerate(regions or ()):
@@ -326,7 +329,7 @@ class MetadataBuilder:
         return meta
 
     @staticmethod
-    def _check_fits(bucket: Bucket, width: int, rows: list[RowLayout], block_size: int) -> None:
+    def _check_fits(bucket: Bucket, width: int, rows: list[RowLayout], block_size: int, kv_gaps: bool = True) -> None:
         """Refuse rows the bucket cannot hold, before anything is staged (integer checks only: each layout
         carries its largest position)."""
         if len(rows) > bucket.rows:
@@ -349,6 +352,13 @@ class MetadataBuilder:
                     f"row {r} hides logical keys [{g0}, {g1}) of its {row.seq_len}: a kv_gap must be an interval "
                     "within the row (or (0, 0)): the plan's layout is inconsistent"
                 )
+            if g1 > g0 and not kv_gaps:
+                raise RequestError(
+                    f"row {r} hides logical keys [{g0}, {g1}) inside its table (a window or sink that does not end on "
+                    f"a block boundary of {block_size} tokens), but this runtime was configured with kv_gaps=False, so "
+                    "its compiled graphs take no kv_gap: build the config with kv_gaps=True (the family's runtime "
+                    "config helper sets it from the geometry) or choose a block_size that divides the frame, chunk "
+                    "and sink")
             if row.max_position >= m * block_size:
                 raise RequestError(
                     f"row {r} writes logical position {row.max_position} but its block table covers "

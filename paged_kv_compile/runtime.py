@@ -50,7 +50,7 @@ class PagedKVRuntime:
             self.pool, make_allocator(allocator, self.pool.blocks_per_layer),
             max_rows=config.max_rows, max_sessions=max_sessions,
         )
-        self.metadata = MetadataBuilder(self.pool, region_tokens=config.region_tokens)
+        self.metadata = MetadataBuilder(self.pool, region_tokens=config.region_tokens, kv_gaps=config.kv_gaps)
         self.active: ForwardContext | None = None  # the forward in progress: what compiled sites talk to
         self.generation = 0
         self._standin_base = torch.zeros((), dtype=config.dtype, device=config.device)

@@ -17,6 +17,7 @@ import torch
 from helpers import CountingBackend, compile_blocks
 
 from paged_kv_compile import PagedKVConfig, families
+from paged_kv_compile.errors import RequestError
 from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
 from paged_kv_compile.capture.calls import record_calls
 from paged_kv_compile.driver import paged_run
@@ -159,6 +160,50 @@ def test_page_size_gap_hides_the_tail_of_the_sink_block_and_the_head_of_the_wind
     assert len(rt.scheduler.owners["s"].rows[0]) == 6
     rt.scheduler.finish_forward(plan)
 
+
+
+@pytest.mark.parametrize("block,gaps", [(11, False), (4, True)], ids=["page=frame", "page4"])
+def test_page_size_kv_gap_input_only_where_the_geometry_can_hide_keys(block, gaps):
+    """A block that divides the frame never hides a key (every window bound is a frame bound), so its config leaves
+    the op's kv_gap out of the compiled graph (flash-attn then serves a row in one call, not split); a block that
+    does not takes it. The rollout matches dense eager either way."""
+    cfg = DreamZeroConfig(frame_seqlen=11, sink_size=1, num_layers=2)
+    config = dreamzero_runtime_config(cfg, block_size=block, kernel="reference")
+    assert config.kv_gaps is gaps
+    dense = dreamzero_rollout(DreamZeroModel(cfg, seed=1), num_chunks=5, num_inference_steps=1, seed=3)
+    model = DreamZeroModel(cfg, seed=1)
+    runtime = PagedKVRuntime(config)
+    runtime.bind(model.blocks)
+    backend = CountingBackend({"inner_compiler": "aot_eager"})
+    compile_blocks(model.blocks, backend)
+    paged = paged_run(model, runtime, num_chunks=5, num_inference_steps=1, seed=3)
+    assert (dense["video"] - paged["video"]).abs().max().item() <= ATOL
+    names = {i.name for r in backend.results for i in r.inputs}
+    assert ("paged_kv_kv_gap" in names) is gaps and "paged_kv_seq_lens" in names
+
+
+def test_page_size_a_gap_under_kv_gaps_false_is_refused_and_changes_nothing():
+    """A hand-built config that says no row hides keys (kv_gaps=False) at a geometry that does: the forward whose row
+    has a gap is refused before anything is staged, naming the fix, and the session is as it was."""
+    spec = DreamZeroSpec(frame_seqlen=11, chunk_frames=1, window_frames=3, sink_frames=1)
+    model_cfg = DreamZeroConfig(frame_seqlen=11, num_frame_per_block=1, local_attn_size=3, sink_size=1)
+    rt = PagedKVRuntime(dreamzero_runtime_config(model_cfg, block_size=4, kv_gaps=False))
+    rt.admit("s", spec, rows=1)
+
+    def state():
+        return [list(r) for r in rt.scheduler.owners["s"].rows], rt.scheduler.allocator.num_free, rt.state()
+
+    for commits in range(6):
+        before = state()
+        try:
+            with rt.forward("s", "commit"):
+                pass
+        except RequestError as e:
+            assert "kv_gaps=False" in str(e) and "kv_gaps=True" in str(e)
+            break
+    else:
+        raise AssertionError("no forward of this geometry hid a key")
+    assert commits >= 1 and state() == before and rt.active is None
 
 # ---- compiled rollouts against the dense model ------------------------------------------------------------------
 GEOMETRIES = [(11, 4, 0), (13, 8, 2), (11, 16, 1), (13, 4, 1)]  # (frame tokens, block size, sink frames)

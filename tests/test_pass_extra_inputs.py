@@ -52,9 +52,10 @@ def test_the_graph_gets_exactly_the_described_inputs_and_the_backend_their_tenso
     if not fp8:  # the usual order is right: dense parity (an FP8 pool is close to dense, not within 1e-5)
         dense = dreamzero_rollout(DreamZeroModel(CFG, seed=1), num_chunks=3, num_inference_steps=1, seed=3)
         assert max((dense[k] - out[k]).abs().max().item() for k in ("video", "actions")) <= 1e-5
-    want = ei.extra_inputs(fp8=fp8, regions=True, sites=len(result.sites))
+    want = ei.extra_inputs(fp8=fp8, gaps=runtime.config.kv_gaps, regions=True, sites=len(result.sites))
     assert result.inputs == want
     assert (ei.KV_SCALES in want) == fp8 and ei.REGION_TABLE0 in want
+    assert (ei.KV_GAP in want) == runtime.config.kv_gaps  # its blocks divide the frame: no row hides a key
     assert _added_placeholders(result) == [i.name for i in want]
     meta = runtime.metadata.buffers(Bucket(*result.shape))
     values = ei.extra_values(result.inputs, runtime.pool, meta, [0, 1])

@@ -143,7 +143,7 @@ class DreamZeroPagedKV:
             scratch_tokens_per_row=spec.tokens_per_forward,
             buckets=tuple(b for k in range(1, sessions_per_forward + 1) for b in spec.buckets(rows=k)), dtype=dtype,
             device=str(device), kernel=kernel,
-            inner_compiler=inner_compiler, kv_dtype=kv_dtype,
+            inner_compiler=inner_compiler, kv_dtype=kv_dtype, kv_gaps=spec.has_gaps(block_size),
         )
         budget = plan_budget(ar_spec, spec, base, available_bytes=available_bytes, memory_fraction=memory_fraction,
                              rows=rows)

@@ -100,7 +100,7 @@ class HunyuanServing:
             num_layers=len(model.layers), num_kv_heads=vllm_omni_hunyuan.ulysses_heads(probe)[1], head_dim=probe.head_dim,
             block_size=block_size, budget_bytes=budget_bytes, max_rows=rows_per_request * requests_per_forward,
             scratch_tokens_per_row=scratch, dtype=dtype, device=str(device), kernel=kernel,
-            inner_compiler=inner_compiler,
+            inner_compiler=inner_compiler, kv_gaps=False,  # a request's rows are whole prompts: nothing hidden
         )
         if getattr(probe, "sp_size", 1) > 1:
             # Ulysses keeps K/V at their KV heads (vllm_omni_hunyuan: the layer's compressed-K/V branch), so

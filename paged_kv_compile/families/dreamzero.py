@@ -122,6 +122,12 @@ class DreamZeroSpec:
     def sink_tokens(self) -> int:
         return self.sink_frames * self.frame_seqlen
 
+    def has_gaps(self, block_size: int) -> bool:
+        """Whether a row's window may start, or its sink end, inside a block of `block_size` tokens (so its table
+        hides keys: `RowWindow.logical`'s kv_gap). Every window bound is a frame bound (history is whole frames,
+        registers never become history), so only a block that does not divide the frame makes gaps."""
+        return self.frame_seqlen % block_size != 0
+
     @property
     def tokens_per_forward(self) -> int:
         """The most tokens one forward computes (scratch is sized for it)."""
@@ -156,11 +162,13 @@ def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessio
     when the loop resets at frame 20), which admission reserves (`reserve`), so a pool built here admits exactly
     `sessions` sessions of `rows` rows, a fork counting as one, and none of them ever waits for a block."""
     block_size = block_size or model_cfg.frame_seqlen
-    tokens_per_row = session_blocks_per_row(DreamZeroSpec.from_model_config(model_cfg), block_size) * block_size
+    spec = DreamZeroSpec.from_model_config(model_cfg)
+    tokens_per_row = session_blocks_per_row(spec, block_size) * block_size
     cfg = pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
         block_size=block_size, owners=sessions, rows=rows, tokens_per_row=tokens_per_row,
-        scratch_tokens_per_row=model_cfg.tokens_per_forward, overrides=overrides,
+        scratch_tokens_per_row=model_cfg.tokens_per_forward,
+        overrides={"kv_gaps": spec.has_gaps(block_size), **overrides},
     )
     if cross_regions and "blocks_per_layer" not in overrides and "budget_bytes" not in overrides:
         extra = cross_regions * ceil_div(model_cfg.cross_len, block_size)

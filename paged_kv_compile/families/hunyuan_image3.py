@@ -109,7 +109,8 @@ def hunyuan_runtime_config(model_cfg, *, max_prefix: int, block_size: int = 16, 
     return pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
         block_size=block_size, owners=requests, rows=rows, tokens_per_row=max_prefix,
-        scratch_tokens_per_row=model_cfg.target_len, overrides=overrides,
+        scratch_tokens_per_row=model_cfg.target_len,
+        overrides={"kv_gaps": False, **overrides},  # a request's rows are whole prompts: nothing hidden inside
     )
 
 

@@ -18,7 +18,7 @@ from ..metadata import BucketMetadata
 from ..pool import KVPool
 
 SOURCES = ("pool", "metadata", "layer")
-PRESENCE = ("always", "fp8", "regions", "site")
+PRESENCE = ("always", "fp8", "gaps", "regions", "site")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class ExtraInput:
     name: the placeholder's name in the rewritten graph. source/attr: where its value is, `pool.<attr>` (the
     runtime's KVPool), `meta.<attr>` (the bucket's BucketMetadata) or `meta.layers[layer].<attr>` (the layer
     serving rewritten site number `site`). present: "always"; "fp8" when the pool stores FP8 (it has scales);
+    "gaps" when the runtime's rows may hide keys inside their tables (`PagedKVConfig.kv_gaps`);
     "regions" when the graph has a shared-region site (`attend`); "site": one per rewritten site.
     """
 
@@ -48,7 +49,7 @@ SEQ_LENS = ExtraInput("paged_kv_seq_lens", "metadata", "seq_lens")
 VISIBLE_END = ExtraInput("paged_kv_visible_end", "metadata", "kv_visible_end")
 # per row the logical keys no query sees (`layout.RowLayout.kv_gap`: a window's evicted head inside a block, what lies
 # between a sink and the recent tokens), built once per forward like seq_lens
-KV_GAP = ExtraInput("paged_kv_kv_gap", "metadata", "kv_gap")
+KV_GAP = ExtraInput("paged_kv_kv_gap", "metadata", "kv_gap", "gaps")
 KV_SCALES = ExtraInput("paged_kv_kv_scales", "pool", "scales", "fp8")
 # what every layer's slot mapping and block table are computed from in the graph (`metadata.py: layer_metadata`)
 POSITIONS = ExtraInput("paged_kv_positions", "metadata", "positions")
@@ -70,9 +71,10 @@ def block_base(site: int) -> ExtraInput:
     return ExtraInput(f"paged_kv_block_base_{site}", "layer", "block_base", "site", site)
 
 
-def extra_inputs(*, fp8: bool, regions: bool, sites: int) -> tuple[ExtraInput, ...]:
-    """Every input the rewrite adds to a graph, in order: the shared ones present, then one base per site."""
-    present = {"always": True, "fp8": fp8, "regions": regions}
+def extra_inputs(*, fp8: bool, regions: bool, sites: int, gaps: bool = True) -> tuple[ExtraInput, ...]:
+    """Every input the rewrite adds to a graph, in order: the shared ones present, then one base per site.
+    `gaps`: the runtime's rows may hide keys inside their tables (`PagedKVConfig.kv_gaps`)."""
+    present = {"always": True, "fp8": fp8, "gaps": gaps, "regions": regions}
     return tuple(i for i in SHARED if present[i.present]) + tuple(block_base(s) for s in range(sites))
 
 

@@ -92,6 +92,10 @@ def _scales(nodes: InputNodes) -> dict:
     return {"kv_scales": nodes[KV_SCALES]} if KV_SCALES in nodes else {}
 
 
+def _gap(nodes: InputNodes) -> dict:
+    return {"kv_gap": nodes[KV_GAP]} if KV_GAP in nodes else {}
+
+
 def insert_write_attend(graph: fx.Graph, site: Site, match: Match, nodes: InputNodes, index: int,
                         kernel: str) -> None:
     """Replace KV-cache site number `index` by `write_attend` and drop its stores into stand-ins."""
@@ -108,7 +112,7 @@ def insert_write_attend(graph: fx.Graph, site: Site, match: Match, nodes: InputN
             torch.ops.paged_kv.write_attend.default,
             (q, k, v, pool, slot, table, nodes[SEQ_LENS], nodes[VISIBLE_END], _scale(node, site.args), kernel,
              match.visibility),
-            {**_scales(nodes), "kv_gap": nodes[KV_GAP]},
+            {**_scales(nodes), **_gap(nodes)},
         )
     _replace(graph, node, out)
     for store in site.writes.stores:

@@ -147,9 +147,9 @@ def _host_checks(site: Site, weight: fx.Node, placeholders: list[fx.Node]) -> Re
 
 
 def _insert(graph: fx.Graph, found: _Found, placeholders: list[fx.Node], kernel: str, result: PassResult,
-            kv_scales: bool) -> None:
+            kv_scales: bool, kv_gaps: bool) -> None:
     """Add the extra inputs (`result.inputs`) and replace every matched site by its op, cache sites first."""
-    result.inputs = extra_inputs(fp8=kv_scales, regions=bool(found.regions),
+    result.inputs = extra_inputs(fp8=kv_scales, gaps=kv_gaps, regions=bool(found.regions),
                                  sites=len(found.cache_sites) + len(found.regions))
     nodes = add_inputs(graph, result.inputs)
     for index, (site, match, weight) in enumerate(found.cache_sites):
@@ -217,12 +217,14 @@ def rewrite(
     kernel: str = "auto",
     strict: bool = False,
     kv_scales: bool = False,
+    kv_gaps: bool = True,
     is_region=lambda value: False,
     idioms: AcceptedIdioms = (),
 ) -> PassResult:
     """Rewrite `gm` (a copy the caller owns) in place; returns the report and the added inputs (`result.inputs`).
 
     `kv_scales`: the pool stores FP8, and its scales come as one more input (`extra_inputs.KV_SCALES`).
+    `kv_gaps`: the runtime's rows may hide keys inside their tables; False leaves the op's `kv_gap` out.
     `idioms`: what a KV-cache site may be, each idiom with the families that accept it (`match.match_site`).
     """
     graph = gm.graph
@@ -250,7 +252,7 @@ def rewrite(
             "bucket: compile the block that holds the self-attention too (DreamZero: the whole CausalWanBlock)")
     if found.cache_sites:
         _graph_shape(result, found)
-        _insert(graph, found, inputs.placeholders, kernel, result, kv_scales)
+        _insert(graph, found, inputs.placeholders, kernel, result, kv_scales, kv_gaps)
     _refuse_leftovers(graph, inputs.standins, stores)
     gm.recompile()
     return result
