@@ -8,7 +8,10 @@ contexts), `left_pad_stack` writes each branch into a fresh zero buffer in place
 builds the mask in the graph, so the site reads no stand-in the passes can trace and the stand-in reads left in the
 graph are refused; with equal lengths each row of the stacked query is a different tensor (the packed tokens
 gathered by `text_indices` / `vae_indices`, split per branch), which `provenance` does not read. Either way the
-graph is rejected at compile time, never computed on a stand-in's zeros. The layer also casts to bfloat16 as
+graph is rejected at compile time, never computed on a stand-in's zeros. One branch alone (a CFG-parallel rank's)
+is read as the conditioning-prefix idiom (a packed (P, H, D) prefix of one row), and refused because the MoT
+`qkv_proj` writes its output by index into a fresh zero buffer, which hides the projection weight that names the
+layer. The layer also casts to bfloat16 as
 written, so an fp32 parity run would need the model edited.
 
 The packed cache is handed as ONE stand-in of the merged shape: `NaiveCache.merge` concatenates the branch caches
@@ -59,6 +62,10 @@ def _branch_caches(lengths: list[int]):
 @pytest.mark.parametrize("lengths, reason", [
     ([7, 5, 6], "the graph still reads a KV-cache stand-in after rewriting"),  # left_pad_stack + its mask
     ([6, 6, 6], "query: a key/value column mixes several tensors"),  # torch.stack of per-branch rows
+    # one branch (a CFG-parallel rank's, or a step outside the CFG interval): the conditioning-prefix idiom reads
+    # it, but the MoT projection writes its output by index into a fresh buffer (`output[text_idx] = ...`), so no
+    # per-layer weight is seen to feed the keys
+    ([7], "no per-layer 2-D weight feeds its keys, so the layer cannot be identified"),
 ])
 def test_bagel_cfg_context_prefix_is_refused_with_the_reason(omni, omni_ctx, lengths, reason):
     from vllm_omni.diffusion.models.bagel.bagel_transformer import NaiveCache, PackedAttentionMoT
@@ -70,7 +77,7 @@ def test_bagel_cfg_context_prefix_is_refused_with_the_reason(omni, omni_ctx, len
     for p in attention.parameters():
         torch.nn.init.normal_(p, std=0.2)
     attention.to(torch.bfloat16)  # the layer casts its inputs to bfloat16 as written
-    x, query_lens, pos, text, vae = _gen_inputs()
+    x, query_lens, pos, text, vae = _gen_inputs(len(lengths))
     gen = dict(update_past_key_values=False, is_causal=False, mode="gen", packed_vae_token_indexes=vae,
                packed_text_indexes=text)
     with torch.no_grad():
