@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -35,12 +37,21 @@ def sdpa_args(node: fx.Node) -> dict:
 
 
 def find_parameter(start: list[fx.Node], params: set[fx.Node]) -> fx.Node | None:
-    """Nearest 2-D parameter placeholder upstream of `start` (breadth-first): the site's layer key."""
+    """Nearest 2-D parameter placeholder upstream of `start` (breadth-first): the site's layer key.
+
+    When none is upstream, a second search also follows what was written by index into a buffer upstream
+    (``out = zeros(...); out[idx] = linear(x[idx], w)``, BAGEL's MoT projection): the written values feed it."""
+    return _nearest_parameter(start, params, writes=False) or _nearest_parameter(start, params, writes=True)
+
+
+def _nearest_parameter(start: list[fx.Node], params: set[fx.Node], *, writes: bool) -> fx.Node | None:
     frontier, seen = list(start), set(start)
     while frontier:
         nxt = []
         for n in frontier:
-            for a in n.all_input_nodes:
+            written = [u.args[2] for u in n.users if writes and u.op == "call_function" and u.target is operator.setitem
+                       and u.args[0] is n and isinstance(u.args[2], fx.Node)]
+            for a in [*n.all_input_nodes, *written]:
                 if a in seen:
                     continue
                 seen.add(a)
