@@ -36,12 +36,17 @@ def sdpa_args(node: fx.Node) -> dict:
     return out
 
 
-def find_parameter(start: list[fx.Node], params: set[fx.Node]) -> fx.Node | None:
+def find_parameter(start: list[fx.Node], params: set[fx.Node], *, through_index_writes: bool = False
+                   ) -> fx.Node | None:
     """Nearest 2-D parameter placeholder upstream of `start` (breadth-first): the site's layer key.
 
-    When none is upstream, a second search also follows what was written by index into a buffer upstream
-    (``out = zeros(...); out[idx] = linear(x[idx], w)``, BAGEL's MoT projection): the written values feed it."""
-    return _nearest_parameter(start, params, writes=False) or _nearest_parameter(start, params, writes=True)
+    through_index_writes: when none is upstream, search again following what was written by index into a buffer
+    upstream (``out = zeros(...); out[idx] = linear(x[idx], w)``, BAGEL's MoT projection): the written values
+    feed the buffer. Only for naming a rewritten site's layer (binding then checks the weight is one layer's)."""
+    found = _nearest_parameter(start, params, writes=False)
+    if found is None and through_index_writes:
+        found = _nearest_parameter(start, params, writes=True)
+    return found
 
 
 def _nearest_parameter(start: list[fx.Node], params: set[fx.Node], *, writes: bool) -> fx.Node | None:
