@@ -30,6 +30,8 @@ class PrefixAttention(torch.nn.Module):
     def forward(self, x, prefix_k=None, prefix_v=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, HEADS, HEAD_DIM).unbind(2)
+        if prefix_k is not None and prefix_k.dim() == 3:  # packed (P, H, D), as BAGEL's NaiveCache keeps a branch
+            prefix_k, prefix_v = prefix_k[None].expand(B, -1, -1, -1), prefix_v[None].expand(B, -1, -1, -1)
         if prefix_k is not None:
             k = torch.cat([prefix_k[:, self.skip:], k], 1)
             v = torch.cat([prefix_v[:, self.skip:], v], 1)
@@ -58,7 +60,7 @@ def _step(layers, x, prefixes):
     return x
 
 
-def _runtime(rows: int = 1) -> PagedKVRuntime:
+def _runtime(rows: int = 2) -> PagedKVRuntime:
     return PagedKVRuntime(PagedKVConfig(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
                                         blocks_per_layer=8, max_rows=rows, scratch_tokens_per_row=16,
                                         kernel="reference"))
@@ -129,6 +131,29 @@ def test_a_site_that_is_not_a_whole_unmasked_prefix_is_refused_with_the_reason(k
         with runtime.forward("r", "step"):
             _step(layers, torch.randn(1, NEW, DIM), [(k, v)] * LAYERS)
     assert not runtime.state()["in_flight"]
+
+
+def test_a_packed_prefix_of_one_row_pages_and_is_refused_for_several():
+    """A prefix kept packed (P, H, D) and read as ``prefix[None]`` by a one-row attention pages; read by two rows
+    (broadcast) it is refused (its batch axis is not the stand-in's)."""
+    layers = _layers()
+    kept = _prefix_kv(layers)
+    x = torch.randn(1, NEW, DIM)
+    want = _step(layers, x, [(k[0], v[0]) for k, v in kept])
+    runtime = _runtime()
+    runtime.bind(list(layers))
+    runtime.admit("r", ConditioningPrefixSpec((PREFIX,), NEW))
+    k, v = store_prefix(runtime, "r", kept)
+    backend = _compiled(layers)
+    with runtime.forward("r", "step"):
+        got = _step(layers, x, [(k[0], v[0])] * LAYERS)  # the model keeps the packed stand-in
+    assert (got - want).abs().max().item() <= 1e-5
+    assert [r.pattern for res in backend.results for r in res.reports] == ["conditioning-prefix"]
+    runtime.admit("two", ConditioningPrefixSpec((PREFIX, PREFIX), NEW))
+    store_prefix(runtime, "two", [(torch.cat([k, k]), torch.cat([v, v])) for k, v in kept])
+    with raises_paged(PassError, "key: l_prefix_k_ does not map batch/heads/head_dim the way the paged op reads"):
+        with runtime.forward("two", "step"):
+            _step(layers, torch.randn(2, NEW, DIM), [(k[0], v[0])] * LAYERS)
 
 
 def test_store_prefix_is_refused_inside_a_forward_and_for_another_family():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -34,13 +36,27 @@ def sdpa_args(node: fx.Node) -> dict:
     return out
 
 
-def find_parameter(start: list[fx.Node], params: set[fx.Node]) -> fx.Node | None:
-    """Nearest 2-D parameter placeholder upstream of `start` (breadth-first): the site's layer key."""
+def find_parameter(start: list[fx.Node], params: set[fx.Node], *, through_index_writes: bool = False
+                   ) -> fx.Node | None:
+    """Nearest 2-D parameter placeholder upstream of `start` (breadth-first): the site's layer key.
+
+    through_index_writes: when none is upstream, search again following what was written by index into a buffer
+    upstream (``out = zeros(...); out[idx] = linear(x[idx], w)``, BAGEL's MoT projection): the written values
+    feed the buffer. Only for naming a rewritten site's layer (binding then checks the weight is one layer's)."""
+    found = _nearest_parameter(start, params, writes=False)
+    if found is None and through_index_writes:
+        found = _nearest_parameter(start, params, writes=True)
+    return found
+
+
+def _nearest_parameter(start: list[fx.Node], params: set[fx.Node], *, writes: bool) -> fx.Node | None:
     frontier, seen = list(start), set(start)
     while frontier:
         nxt = []
         for n in frontier:
-            for a in n.all_input_nodes:
+            written = [u.args[2] for u in n.users if writes and u.op == "call_function" and u.target is operator.setitem
+                       and u.args[0] is n and isinstance(u.args[2], fx.Node)]
+            for a in [*n.all_input_nodes, *written]:
                 if a in seen:
                     continue
                 seen.add(a)

@@ -88,7 +88,7 @@ def _cache_site(found: _Found, node: fx.Node, inputs: _Inputs, stores: list[fx.N
     got = site if isinstance(site, str) else match_site(site, idioms)
     if not isinstance(got, Match):
         return _refuse(found, node, "KV-cache stand-in", got, strict)
-    weight = find_parameter([span.read.node for span in site.new.key], inputs.params)
+    weight = find_parameter([span.read.node for span in site.new.key], inputs.params, through_index_writes=True)
     if weight is None:
         why = "no per-layer 2-D weight feeds its keys, so the layer cannot be identified at run time"
         return _refuse(found, node, "KV-cache stand-in", why, strict)

@@ -269,7 +269,9 @@ def _cache_read(provs: dict[str, Provenance], standins: set[fx.Node]) -> CacheRe
     key, value = halves
     if key is None:
         return CacheRead(value_half=value.kv_index if value is not None else None)
-    return CacheRead(example(key.node).dim(), example(key.node).shape[key.seq_dim], key.kv_index,
+    # the length along the sequence axis of the shape the stand-in is READ as (a packed (P, H, D) one read as
+    # (1, P, H, D): its axis 1 is not the stand-in's own axis 1)
+    return CacheRead(example(key.node).dim(), key.shape[key.seq_dim], key.kv_index,
                      value.kv_index if value is not None else None)
 
 

@@ -7,7 +7,8 @@ assignment or a return value, not written into a cache the passes see. Every lat
 its own keys and attends with no mask: every query sees the whole prefix and every new token.
 
 Read structurally (on tags, `passes/site.py`): the key columns are every position ``[0, P)`` of a (B, P, H, D)
-cache stand-in, in order, then the new tokens; there is no mask, no causal flag and no store into the stand-in.
+cache stand-in (or, for an attention of one row, a packed (P, H, D) one: BAGEL's `NaiveCache` of one CFG branch),
+in order, then the new tokens; there is no mask, no causal flag and no store into the stand-in.
 The paged op reads the prefix from the pool, where the owner's family put it once (`families/conditioning_prefix.py`:
 `store_prefix`); the new tokens are transient. Every row must hold exactly P prefix tokens: without a mask, a row
 whose prefix is shorter would read the dense stand-in's padding, which the paged op does not hold (the family
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..graph import example
 from ..site import Site
 from .base import Idiom, Match
 
@@ -45,8 +47,10 @@ def match_conditioning_prefix(site: Site) -> Match | str:
                 "an unmasked one attends over the whole prefix)")
     if site.writes.stores or site.writes.positioned or site.writes.read_back:
         return "it writes the cache stand-in (a conditioning prefix is read-only: its family stores it once)"
-    if site.cache.ndim != 4:
-        return "the conditioning prefix must be a (B, P, H, D) stand-in"
+    if site.cache.ndim == 3 and example(site.node).shape[0] != 1:
+        return "a packed (P, H, D) prefix stand-in is one row's: its attention must compute one row (batch 1)"
+    if site.cache.ndim not in (3, 4):
+        return "the conditioning prefix must be a (B, P, H, D) stand-in (or one row's packed (P, H, D))"
     prefix = site.cache.length
     if not site.keys.history:
         return "it reads no prefix before its new keys"
