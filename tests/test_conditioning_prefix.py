@@ -66,6 +66,14 @@ def _runtime(rows: int = 2) -> PagedKVRuntime:
                                         kernel="reference"))
 
 
+def _admitted(layers, spec: ConditioningPrefixSpec | None = None) -> PagedKVRuntime:
+    """A runtime bound to `layers` with request "r" admitted (one row of PREFIX tokens unless `spec` says)."""
+    runtime = _runtime()
+    runtime.bind(list(layers))
+    runtime.admit("r", spec or ConditioningPrefixSpec((PREFIX,), NEW))
+    return runtime
+
+
 def _compiled(layers) -> CountingBackend:
     backend = CountingBackend({"inner_compiler": "aot_eager", "strict": True})
     for layer in layers:
@@ -102,9 +110,7 @@ def test_after_a_reset_the_prefix_must_be_stored_again():
     kept = _prefix_kv(layers)
     x = torch.randn(1, NEW, DIM)
     want = _step(layers, x, kept)
-    runtime = _runtime()
-    runtime.bind(list(layers))
-    runtime.admit("r", ConditioningPrefixSpec((PREFIX,), NEW))
+    runtime = _admitted(layers)
     store_prefix(runtime, "r", kept)
     runtime.reset("r")
     with pytest.raises(RequestError, match="has no stored prefix"):
@@ -122,9 +128,7 @@ def test_after_a_reset_the_prefix_must_be_stored_again():
 ])
 def test_a_site_that_is_not_a_whole_unmasked_prefix_is_refused_with_the_reason(kw, reason):
     layers = _layers(**kw)
-    runtime = _runtime()
-    runtime.bind(list(layers))
-    runtime.admit("r", ConditioningPrefixSpec((PREFIX,), NEW))
+    runtime = _admitted(layers)
     k, v = store_prefix(runtime, "r", _prefix_kv(_layers()))
     _compiled(layers)
     with raises_paged(PassError, reason):
@@ -140,9 +144,7 @@ def test_a_packed_prefix_of_one_row_pages_and_is_refused_for_several():
     kept = _prefix_kv(layers)
     x = torch.randn(1, NEW, DIM)
     want = _step(layers, x, [(k[0], v[0]) for k, v in kept])
-    runtime = _runtime()
-    runtime.bind(list(layers))
-    runtime.admit("r", ConditioningPrefixSpec((PREFIX,), NEW))
+    runtime = _admitted(layers)
     k, v = store_prefix(runtime, "r", kept)
     backend = _compiled(layers)
     with runtime.forward("r", "step"):

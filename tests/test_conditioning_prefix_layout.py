@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import raises_paged
-from test_conditioning_prefix import DIM, LAYERS, NEW, PREFIX, PrefixAttention, _compiled, _prefix_kv, _runtime, _step
+from test_conditioning_prefix import (DIM, LAYERS, NEW, PREFIX, PrefixAttention, _admitted, _compiled, _prefix_kv,
+                                     _runtime, _step)
 
 from paged_kv_compile import PassError
 from paged_kv_compile.errors import RequestError
@@ -45,9 +46,7 @@ def test_new_visible_needs_every_new_token_and_a_mask():
     """A step of fewer tokens than new_visible names is refused; so is an unmasked site (it would let every new
     token see every other), before anything runs."""
     layers = torch.nn.ModuleList(PrefixAttention() for _ in range(LAYERS))
-    runtime = _runtime()
-    runtime.bind(list(layers))
-    runtime.admit("r", ConditioningPrefixSpec((PREFIX,), NEW, new_visible=(1,) + (NEW,) * (NEW - 1)))
+    runtime = _admitted(layers, ConditioningPrefixSpec((PREFIX,), NEW, new_visible=(1,) + (NEW,) * (NEW - 1)))
     k, v = store_prefix(runtime, "r", _prefix_kv(layers))
     with pytest.raises(RequestError, match="computes all 5 new tokens at every step"):
         runtime.forward("r", "step", new_tokens=NEW - 1)
@@ -81,9 +80,7 @@ def test_a_no_op_conversion_of_the_prefix_pages_and_a_real_one_is_refused():
     kept = _prefix_kv(layers)
     x = torch.randn(1, NEW, DIM)
     want = _step(layers, x, kept)
-    runtime = _runtime()
-    runtime.bind(list(layers))
-    runtime.admit("r", ConditioningPrefixSpec((PREFIX,), NEW))
+    runtime = _admitted(layers)
     k, v = store_prefix(runtime, "r", kept)
     backend = _compiled(layers)
     with runtime.forward("r", "step"):
