@@ -1,0 +1,228 @@
+"""Chunks of irregular length and a sink that holds part of a row (TaoMate-H3's schedule, scaled down).
+
+TaoMate-H3 commits chunks of 12/10/10/5 video latents plus a variable number of audio latents and keeps a sink of
+video only; vllm-omni gave up its paged pool for it. Here a session built with `DreamZeroSpec.irregular` gives each
+forward's chunk length (`runtime.forward(id, kind, tokens=n)`), its sink is the video tokens of the first chunk
+(that chunk's audio lies in the row's `kv_gap` once the window slides), the window keeps the most recent tokens
+that fit beside the sink and the chunk, at random block sizes. No TaoMate-H3 code is installed, so the oracles are
+the dense cache's own window (which history tokens each forward sees, token by token) and dense eager attention
+over the row's whole history with an explicit mask of what that window shows (fp32, <= 1e-5), the op driven with
+each plan's metadata.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_page_size import _dense_window, _HistoryMap
+
+import paged_kv_compile  # noqa: F401  (registers torch.ops.paged_kv)
+from paged_kv_compile import PagedKVConfig
+from paged_kv_compile.errors import ConfigError, RequestError
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, session_blocks_per_row
+from paged_kv_compile.runtime import PagedKVRuntime
+
+ATOL = 1e-5
+VIDEO_UNITS = (12, 10, 10, 5)  # TaoMate-H3's video latents per chunk
+
+
+def taomate_schedule(rng: random.Random, unit: int, audio_max: int, chunks: int) -> list[int]:
+    """Chunk lengths in tokens: 12/10/10/5 video latents of `unit` tokens each, then 0..audio_max audio tokens."""
+    return [VIDEO_UNITS[i % len(VIDEO_UNITS)] * unit + rng.randint(0, audio_max) for i in range(chunks)]
+
+
+def taomate_spec(rng: random.Random) -> tuple[DreamZeroSpec, int, int, int]:
+    """A random TaoMate-like session: (spec, block size, tokens per video latent, most audio tokens a chunk)."""
+    unit, audio_max = rng.randint(1, 3), rng.randint(0, 7)
+    sink = VIDEO_UNITS[0] * unit  # video-only: the first chunk's video tokens, not its audio
+    longest = max(VIDEO_UNITS) * unit + audio_max
+    spec = DreamZeroSpec.irregular(window_tokens=sink + longest + rng.randint(0, 40),
+                                   shortest=min(VIDEO_UNITS) * unit, longest=longest, sink_tokens=sink,
+                                   action_tokens=rng.randint(0, 3), commit_action_tokens=rng.choice([None, 0]))
+    return spec, rng.choice([2, 3, 4, 5, 8, 16]), unit, audio_max
+
+
+def runtime_for(spec: DreamZeroSpec, block_size: int, rows: int = 2, *, kv_heads: int = 1,
+                head_dim: int = 2) -> PagedKVRuntime:
+    """A pool of exactly what admission reserves for `rows` rows (so a run that never waits proves the bound)."""
+    per_row = session_blocks_per_row(spec, block_size)
+    cfg = PagedKVConfig(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                        blocks_per_layer=rows * per_row, max_rows=rows,
+                        scratch_tokens_per_row=spec.tokens_per_forward + block_size,
+                        kv_gaps=spec.has_gaps(block_size))
+    return PagedKVRuntime(cfg)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_irregular_window_is_the_dense_window_token_by_token(seed):
+    """TaoMate-like schedules (12/10/10/5 video latents x 1-3 tokens plus 0-7 audio tokens a chunk, a video-only
+    sink) at random block sizes, through fill, slide and a reset: every forward of two rows sees exactly the history
+    tokens the dense cache holds, the first chunk's audio is hidden once the window slides while its video stays, a
+    commit's tokens land in history order, a block is held only while a next chunk of the shortest length could see
+    one of its tokens (or the next commit continues it), and a pool of exactly the reservation never runs short."""
+    rng = random.Random(seed)
+    for _ in range(6):
+        spec, B, unit, audio_max = taomate_spec(rng)
+        per_row = session_blocks_per_row(spec, B)
+        rt = runtime_for(spec, B)
+        rt.admit("s", spec)
+        owner = rt.scheduler.owners["s"]
+        peak, slid = 0, False
+        for _window in range(2):  # the second after a reset
+            maps, history = [_HistoryMap(B) for _ in range(2)], 0
+            schedule = taomate_schedule(rng, unit, audio_max, rng.randint(8, 20))
+            for n in schedule:
+                # denoising steps of this chunk, and one of another length between them (same session version)
+                for m in (n, rng.randint(spec.shortest_chunk, spec.chunk_tokens), n):
+                    denoise = rt.scheduler.plan("s", "denoise", tokens=m)
+                    for r, row in enumerate(denoise.rows):
+                        assert len(row.positions) == denoise.tokens == m + spec.action_tokens
+                        assert maps[r].seen(row, history) == _dense_window(history, spec, m)
+                    rt.scheduler.finish_forward(denoise)
+                commit = rt.scheduler.plan("s", "commit", tokens=n)
+                for r, row in enumerate(commit.rows):
+                    seen = maps[r].seen(row, history)
+                    assert seen == _dense_window(history, spec, n), (spec, B, history, n)
+                    if seen and seen[-1] >= schedule[0] + spec.window_tokens:  # the window has slid past chunk 0
+                        slid = True
+                        assert set(range(spec.sink_tokens)) <= set(seen)  # the video-only sink stays
+                        assert not set(range(spec.sink_tokens, schedule[0])) & set(seen)  # chunk 0's audio is gone
+                    maps[r].committed(row, history, n, commit.new_blocks[r])
+                peak = max(peak, *(len(owner.rows[r]) + len(commit.new_blocks[r]) for r in range(2)))
+                rt.scheduler.finish_forward(commit)
+                history += n
+                assert owner.state.history == [history, history]
+                visible = set(_dense_window(history, spec, spec.shortest_chunk))
+                for r in range(2):
+                    for block in owner.rows[r]:
+                        h = maps[r].index[block]
+                        tokens = range(h * B, min((h + 1) * B, history))
+                        assert visible.intersection(tokens) or (history % B and h == history // B), (spec, B, h)
+            rt.reset("s")
+        assert slid
+        assert peak <= per_row, (spec, B, peak, per_row)
+        rt.release("s")
+        assert rt.scheduler.allocator.num_free == rt.config.blocks_per_layer
+
+
+def test_irregular_reservation_is_reached_by_the_worst_sequence():
+    """The bound admission reserves (`irregular_blocks_per_row`) is what the worst sequence holds: chunks of the
+    shortest length, then the longest, at the block alignment that needs one block more (searched here)."""
+    spec = DreamZeroSpec.irregular(window_tokens=40, shortest=5, longest=13, sink_tokens=6)
+    B = 4
+    per_row = session_blocks_per_row(spec, B)
+    best = 0
+    for pre in range(B):
+        rt = runtime_for(spec, B, rows=1)
+        rt.admit("s", spec, rows=1)
+        owner = rt.scheduler.owners["s"]
+        for n in [5 + pre] + [5] * 8 + [13]:
+            with rt.forward("s", "commit", tokens=n) as active:
+                best = max(best, len(owner.rows[0]) + len(active.plan.new_blocks[0]))
+        rt.release("s")
+    assert best == per_row
+
+
+def _dense_attention(q, hist_k, hist_v, visible, new_k, new_v, scale):
+    """Dense eager attention of one row: its queries over its whole history then its new tokens, with an explicit
+    mask showing the visible history tokens and every new token (the model's forward: all queries see all)."""
+    k = torch.cat([hist_k, new_k]) if len(hist_k) else new_k
+    v = torch.cat([hist_v, new_v]) if len(hist_v) else new_v
+    mask = torch.zeros(k.shape[0], dtype=torch.bool)
+    mask[list(visible)] = True
+    mask[len(hist_k):] = True
+    rep = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(rep, 1).transpose(0, 1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask.expand(q.shape[0], -1), scale=scale)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("kernel,seed,chunks", [("reference", 0, 16), ("reference", 1, 16), ("triton", 2, 6)])
+def test_irregular_op_with_the_plans_metadata_equals_dense_eager_attention(kernel, seed, chunks):
+    """The op (`paged_kv::write_attend`) driven with every forward's metadata (its layer's slots and table, seq_lens,
+    kv_visible_end, kv_gap) over a TaoMate-like schedule: each denoising step and commit of two rows equals dense
+    eager attention over the row's whole history with an explicit mask of the dense window (fp32, <= 1e-5); what a
+    commit wrote is the history later forwards read; a fork at a partial block then commits its own chunk."""
+    rng = random.Random(seed)
+    spec, B, unit, audio_max = taomate_spec(rng)
+    rt = runtime_for(spec, B, rows=4, kv_heads=1, head_dim=4)
+    rt.admit("s", spec)
+    gen = torch.Generator().manual_seed(seed)
+    hist = {"s": [[torch.zeros(0, 1, 4), torch.zeros(0, 1, 4)] for _ in range(2)]}
+    scale = 0.5
+
+    def forward(owner_id: str, kind: str, n: int) -> None:
+        with rt.forward(owner_id, kind, tokens=n) as active:
+            meta, R, T = active.meta, len(active.plan.rows), active.bucket.tokens
+            q = torch.randn(R, T, 2, 4, generator=gen)
+            k, v = torch.randn(R, T, 1, 4, generator=gen), torch.randn(R, T, 1, 4, generator=gen)
+            slots, table = meta.layers[0].tensors()
+            out = torch.ops.paged_kv.write_attend(q, k, v, rt.pool.tensor, slots, table, meta.seq_lens,
+                                                  meta.kv_visible_end, scale, kernel, kv_gap=meta.kv_gap)
+            for r in range(R):
+                hk, hv = hist[owner_id][r]
+                visible = _dense_window(len(hk), spec, n)
+                want = _dense_attention(q[r], hk, hv, visible, k[r], v[r], scale)
+                torch.testing.assert_close(out[r], want, atol=ATOL, rtol=0)
+        if kind == "commit":
+            for r in range(R):
+                hk, hv = hist[owner_id][r]
+                hist[owner_id][r] = [torch.cat([hk, k[r, :n]]), torch.cat([hv, v[r, :n]])]
+
+    schedule = taomate_schedule(rng, unit, audio_max, chunks)
+    for n in schedule:
+        forward("s", "denoise", n)
+        forward("s", "commit", n)
+    while rt.scheduler.owners["s"].state.history[0] % B == 0:  # fork at a partial last block
+        forward("s", "commit", spec.shortest_chunk)
+    rt.fork("s", "child", commits=1)
+    hist["child"] = [list(h) for h in hist["s"]]
+    forward("child", "commit", spec.chunk_tokens)
+    forward("s", "commit", spec.shortest_chunk)
+    forward("child", "denoise", spec.shortest_chunk)
+    forward("s", "denoise", spec.chunk_tokens)
+
+
+def test_irregular_chunk_length_out_of_range_is_refused_and_changes_nothing():
+    """A chunk outside the spec's range, a missing or non-int `tokens=`, or `tokens=` for a session of fixed chunks:
+    refused naming the fix, with the session and the pool as they were."""
+    spec = DreamZeroSpec.irregular(window_tokens=40, shortest=5, longest=13, sink_tokens=6)
+    rt = runtime_for(spec, 4)
+    rt.admit("s", spec)
+    with rt.forward("s", "commit", tokens=7):
+        pass
+
+    def state():
+        owner = rt.scheduler.owners["s"]
+        return [list(r) for r in owner.rows], list(owner.state.history), rt.scheduler.allocator.num_free
+
+    before = state()
+    for bad in (4, 14, None, 7.0, True):
+        for kind in ("commit", "denoise"):
+            with pytest.raises(RequestError, match=r"tokens=n with 5 <= n <= 13"):
+                rt.forward("s", kind, tokens=bad)
+            assert state() == before and rt.active is None
+    fixed = DreamZeroSpec(frame_seqlen=4, chunk_frames=1, window_frames=4)
+    rt2 = PagedKVRuntime(PagedKVConfig(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4, blocks_per_layer=16,
+                                       max_rows=2, scratch_tokens_per_row=8))
+    rt2.admit("f", fixed)
+    with pytest.raises(RequestError, match=r"DreamZeroSpec.irregular"):
+        rt2.forward("f", "commit", tokens=4)
+    assert rt2.scheduler.allocator.num_free == 16
+
+
+def test_irregular_spec_gaps_buckets_and_bad_specs():
+    """has_gaps stays honest (chunks of any length put window bounds anywhere: every block of more than one token
+    may hide keys), one bucket per chunk length and register count, and a malformed range is refused."""
+    spec = DreamZeroSpec.irregular(window_tokens=40, shortest=5, longest=7, sink_tokens=6, action_tokens=2,
+                                   commit_action_tokens=0)
+    assert spec.has_gaps(4) and spec.has_gaps(5) and not spec.has_gaps(1)
+    assert sorted(b.tokens for b in spec.buckets()) == [5, 6, 7, 7, 8, 9]
+    assert spec.tokens_per_forward == 9 and spec.sink_tokens == 6 and spec.window_tokens == 40
+    with pytest.raises(ConfigError, match="DreamZeroSpec.irregular"):
+        DreamZeroSpec(frame_seqlen=1, chunk_frames=7, window_frames=40, chunk_tokens_range=(8, 7))
+    with pytest.raises(ConfigError, match="DreamZeroSpec.irregular"):
+        DreamZeroSpec(frame_seqlen=1, chunk_frames=9, window_frames=40, chunk_tokens_range=(5, 7))
