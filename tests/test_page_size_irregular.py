@@ -17,12 +17,16 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import CountingBackend, compile_blocks
 from test_page_size import _dense_window, _HistoryMap
 
 import paged_kv_compile  # noqa: F401  (registers torch.ops.paged_kv)
 from paged_kv_compile import PagedKVConfig
 from paged_kv_compile.errors import ConfigError, RequestError
-from paged_kv_compile.families.dreamzero import DreamZeroSpec, session_blocks_per_row
+from paged_kv_compile.driver import PagedHooks
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config, session_blocks_per_row
+from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
+from paged_kv_compile.models.hooks import DenseHooks, Forward, drive
 from paged_kv_compile.runtime import PagedKVRuntime
 
 ATOL = 1e-5
@@ -226,3 +230,81 @@ def test_irregular_spec_gaps_buckets_and_bad_specs():
         DreamZeroSpec(frame_seqlen=1, chunk_frames=7, window_frames=40, chunk_tokens_range=(8, 7))
     with pytest.raises(ConfigError, match="DreamZeroSpec.irregular"):
         DreamZeroSpec(frame_seqlen=1, chunk_frames=9, window_frames=40, chunk_tokens_range=(5, 7))
+
+
+# ---- a compiled model with chunks of irregular length against the dense eager model -----------------------------
+def irregular_steps(model: DreamZeroModel, hooks, schedule: list[int], steps: int, seed: int = 3):
+    """`models.dreamzero.dreamzero_steps` with a chunk length per chunk (the model at one token a frame: its window
+    and sink are in tokens, a dense cat/slice cache): each chunk is denoised, then committed at the start of the
+    next, every forward telling the runtime its length (`tokens=n`). Returns the denoised chunks."""
+    cfg, p = model.cfg, next(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+
+    def noise(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device=p.device, dtype=p.dtype)
+
+    context = noise(1, cfg.text_len, cfg.text_dim)
+    image = noise(1, cfg.image_len, cfg.image_dim).expand(2, -1, -1) if cfg.image_len else None
+    cross = hooks.write_once_kv(model, model.prepare_cross_kv(torch.cat([context, torch.zeros_like(context)]), image))
+    caches = hooks.caches(model, 2)
+    start, previous, out = 0, None, []
+    for i, n in enumerate(schedule):
+        if previous is not None:
+            p_start, p_x, p_a, p_n = previous
+            _, _, caches = yield Forward(
+                "commit", i, lambda: model(p_x.expand(2, -1, -1), p_a.expand(2, -1, -1), torch.zeros(2), p_start,
+                                           caches, cross, update_kv_cache=True),
+                dict(start_frame=p_start, tokens=p_n))
+        x, a = noise(1, n, cfg.in_channels), noise(1, cfg.action_register_length, cfg.action_dim)
+        sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
+        for s in range(steps):
+            t = torch.full((2,), sigmas[s] * 1000.0)
+            v_x, v_a, _ = yield Forward(
+                "denoise", i, lambda: model(x.expand(2, -1, -1), a.expand(2, -1, -1), t, start, caches, cross,
+                                            update_kv_cache=False),
+                dict(start_frame=start, tokens=n, step=s))
+            x = x + (sigmas[s + 1] - sigmas[s]) * (v_x[1:] + 5.0 * (v_x[:1] - v_x[1:]))
+            a = a + (sigmas[s + 1] - sigmas[s]) * (v_a[1:] + 5.0 * (v_a[:1] - v_a[1:]))
+        out.append(torch.cat([x[0], a[0]]))
+        previous, start = (start, x, a, n), start + n
+    return out
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("block", [4, 5])
+@torch.no_grad()
+def test_irregular_rollout_compiled_equals_dense(block):
+    """TaoMate's 12/10/10/5 video latents plus 0 or 2 audio tokens, a video-only sink (the first chunk's 12 video
+    tokens): the reference model at one token a frame, compiled with aot_eager on the paged runtime, against the
+    dense eager model over a schedule that fills and slides the window (<= 1e-5 on every chunk), one compiled frame
+    per distinct chunk length (commit and denoise share it), every block back in the pool at the end."""
+    schedule = [12, 12, 10, 10, 5, 7, 12, 10, 12, 10, 5, 5]
+    lengths = sorted(set(schedule))
+    cfg = DreamZeroConfig(frame_seqlen=1, num_frame_per_block=max(schedule), local_attn_size=40, sink_size=12,
+                          window_reset_frames=100 * max(schedule), num_layers=2)
+    spec = DreamZeroSpec.irregular(window_tokens=40, shortest=min(schedule), longest=max(schedule), sink_tokens=12,
+                                   action_tokens=cfg.action_register_length)
+    assert sum(schedule) > spec.window_tokens + schedule[0]  # the window slides past the first chunk's audio
+    dense = drive(irregular_steps(DreamZeroModel(cfg, seed=1), DenseHooks(), schedule, steps=2), DenseHooks())
+    model = DreamZeroModel(cfg, seed=1)
+    buckets = tuple(b for b in spec.buckets(2) if b.tokens - cfg.action_register_length in lengths)
+    runtime = PagedKVRuntime(dreamzero_runtime_config(
+        cfg, block_size=block, kernel="reference", buckets=buckets, kv_gaps=spec.has_gaps(block),
+        blocks_per_layer=2 * session_blocks_per_row(spec, block)))
+    runtime.bind(model.blocks)
+    backend = CountingBackend({"inner_compiler": "aot_eager"})
+    compile_blocks(model.blocks, backend)
+    runtime.admit("s", spec)
+    plans = []
+    plan = runtime.scheduler.plan
+    runtime.scheduler.plan = lambda *a, **k: plans.append(p := plan(*a, **k)) or p  # record each forward's plan
+    hooks = PagedHooks(runtime, "s")
+    with torch._dynamo.config.patch(recompile_limit=len(lengths) + 1):
+        paged = drive(irregular_steps(model, hooks, schedule, steps=2), hooks)
+    runtime.release("s")
+    for d, q in zip(dense, paged):
+        assert (d - q).abs().max().item() <= ATOL
+    assert backend.frames == len(lengths)
+    assert any(row.kv_gap != (0, 0) for p in plans for row in p.rows), "the rollout never hid a key"
+    assert sorted({p.phase["chunk_tokens"] for p in plans}) == lengths
+    assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
