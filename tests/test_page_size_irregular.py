@@ -18,13 +18,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import CountingBackend, compile_blocks
+from paged_kv_compile.capture import CapturedBlocks, CompiledOnlyGraphs
+from paged_kv_compile.capture.calls import record_calls
 from test_page_size import _dense_window, _HistoryMap
 
 import paged_kv_compile  # noqa: F401  (registers torch.ops.paged_kv)
 from paged_kv_compile import PagedKVConfig
 from paged_kv_compile.errors import ConfigError, RequestError
 from paged_kv_compile.driver import PagedHooks
-from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config, session_blocks_per_row
+from paged_kv_compile.families.dreamzero import (
+    DreamZeroSpec,
+    dreamzero_block_inputs,
+    dreamzero_runtime_config,
+    session_blocks_per_row,
+)
 from paged_kv_compile.models.dreamzero import DreamZeroConfig, DreamZeroModel
 from paged_kv_compile.models.hooks import DenseHooks, Forward, drive
 from paged_kv_compile.runtime import PagedKVRuntime
@@ -270,28 +277,45 @@ def irregular_steps(model: DreamZeroModel, hooks, schedule: list[int], steps: in
     return out
 
 
+# TaoMate's 12/10/10/5 video latents plus 0 or 2 audio tokens, a video-only sink (the first chunk's 12 video tokens)
+SCHEDULE = [12, 12, 10, 10, 5, 7, 12, 10, 12, 10, 5, 5]
+LENGTHS = sorted(set(SCHEDULE))
+MODEL_CFG = DreamZeroConfig(frame_seqlen=1, num_frame_per_block=max(SCHEDULE), local_attn_size=40, sink_size=12,
+                            window_reset_frames=100 * max(SCHEDULE), num_layers=2)
+MODEL_SPEC = DreamZeroSpec.irregular(window_tokens=40, shortest=min(SCHEDULE), longest=max(SCHEDULE),
+                                     sink_tokens=12, action_tokens=MODEL_CFG.action_register_length)
+
+
+def model_runtime(model: DreamZeroModel, block: int, cross_regions: int = 0) -> PagedKVRuntime:
+    """A runtime for MODEL_SPEC's two rows (exactly what admission reserves, plus `cross_regions` shared regions)
+    with one bucket per chunk length of SCHEDULE, bound to `model`."""
+    spec, A = MODEL_SPEC, MODEL_CFG.action_register_length
+    buckets = tuple(b for b in spec.buckets(2) if b.tokens - A in LENGTHS)
+    blocks = 2 * session_blocks_per_row(spec, block) + cross_regions * -(-MODEL_CFG.cross_len // block)
+    runtime = PagedKVRuntime(dreamzero_runtime_config(
+        MODEL_CFG, block_size=block, kernel="reference", buckets=buckets, kv_gaps=spec.has_gaps(block),
+        cross_regions=cross_regions, blocks_per_layer=blocks))
+    runtime.bind(model.blocks)
+    return runtime
+
+
+def dense_rollout() -> list[torch.Tensor]:
+    model = DreamZeroModel(MODEL_CFG, seed=1)
+    return drive(irregular_steps(model, DenseHooks(), SCHEDULE, steps=2), DenseHooks())
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("block", [4, 5])
 @torch.no_grad()
 def test_irregular_rollout_compiled_equals_dense(block):
-    """TaoMate's 12/10/10/5 video latents plus 0 or 2 audio tokens, a video-only sink (the first chunk's 12 video
-    tokens): the reference model at one token a frame, compiled with aot_eager on the paged runtime, against the
-    dense eager model over a schedule that fills and slides the window (<= 1e-5 on every chunk), one compiled frame
-    per distinct chunk length (commit and denoise share it), every block back in the pool at the end."""
-    schedule = [12, 12, 10, 10, 5, 7, 12, 10, 12, 10, 5, 5]
-    lengths = sorted(set(schedule))
-    cfg = DreamZeroConfig(frame_seqlen=1, num_frame_per_block=max(schedule), local_attn_size=40, sink_size=12,
-                          window_reset_frames=100 * max(schedule), num_layers=2)
-    spec = DreamZeroSpec.irregular(window_tokens=40, shortest=min(schedule), longest=max(schedule), sink_tokens=12,
-                                   action_tokens=cfg.action_register_length)
+    """The reference model at one token a frame, compiled with aot_eager on the paged runtime, against the dense
+    eager model over a TaoMate-like schedule that fills and slides the window (<= 1e-5 on every chunk), one compiled
+    frame per distinct chunk length (commit and denoise share it), every block back in the pool at the end."""
+    schedule, lengths, spec = SCHEDULE, LENGTHS, MODEL_SPEC
     assert sum(schedule) > spec.window_tokens + schedule[0]  # the window slides past the first chunk's audio
-    dense = drive(irregular_steps(DreamZeroModel(cfg, seed=1), DenseHooks(), schedule, steps=2), DenseHooks())
-    model = DreamZeroModel(cfg, seed=1)
-    buckets = tuple(b for b in spec.buckets(2) if b.tokens - cfg.action_register_length in lengths)
-    runtime = PagedKVRuntime(dreamzero_runtime_config(
-        cfg, block_size=block, kernel="reference", buckets=buckets, kv_gaps=spec.has_gaps(block),
-        blocks_per_layer=2 * session_blocks_per_row(spec, block)))
-    runtime.bind(model.blocks)
+    dense = dense_rollout()
+    model = DreamZeroModel(MODEL_CFG, seed=1)
+    runtime = model_runtime(model, block)
     backend = CountingBackend({"inner_compiler": "aot_eager"})
     compile_blocks(model.blocks, backend)
     runtime.admit("s", spec)
@@ -308,3 +332,28 @@ def test_irregular_rollout_compiled_equals_dense(block):
     assert any(row.kv_gap != (0, 0) for p in plans for row in p.rows), "the rollout never hid a key"
     assert sorted({p.phase["chunk_tokens"] for p in plans}) == lengths
     assert runtime.scheduler.allocator.num_free == runtime.pool.blocks_per_layer
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@torch.no_grad()
+def test_irregular_captured_rollout_replays_no_python_and_equals_dense():
+    """The same rollout in pages of 5 served by one captured graph per forward and chunk length, the cross-attention
+    K/V in shared regions: the replays run no Python, and the result equals the dense eager model (<= 1e-5)."""
+    dense = dense_rollout()
+    model = DreamZeroModel(MODEL_CFG, seed=1)
+    runtime = model_runtime(model, 5, cross_regions=2)
+    with torch._dynamo.config.patch(recompile_limit=len(LENGTHS) + 1):
+        compile_blocks(model.blocks, CountingBackend({"inner_compiler": "aot_eager"}))
+        captured = CapturedBlocks(model.blocks, runtime, lambda b: dreamzero_block_inputs(model, runtime, b),
+                                  graphs=CompiledOnlyGraphs(), granularity="forward")
+        captured.warmup(progress=False)
+        hooks = PagedHooks(runtime, "s")
+        hooks.admit_with = {"spec": MODEL_SPEC, "cache_salt": None}
+        with captured.serving(), record_calls() as python_calls:
+            paged = drive(irregular_steps(model, hooks, SCHEDULE, steps=2), hooks)
+    runtime.release("s")
+    assert python_calls == []
+    forwards = 2 * len(SCHEDULE) + len(SCHEDULE) - 1
+    assert captured.stats["replays"] == forwards and captured.stats["direct_calls"] == 0
+    for d, q in zip(dense, paged):
+        assert (d - q).abs().max().item() <= ATOL
