@@ -151,6 +151,47 @@ def _dense_attention(q, hist_k, hist_v, visible, new_k, new_v, scale):
     return out.transpose(0, 1)
 
 
+class OpRig:
+    """Sessions of one spec on a runtime whose forwards are served by calling the op with each plan's metadata, and
+    per session row the dense history (K/V of every committed token) to check them against."""
+
+    def __init__(self, spec: DreamZeroSpec, block_size: int, rows: int, kernel: str, seed: int) -> None:
+        self.spec, self.kernel = spec, kernel
+        self.rt = runtime_for(spec, block_size, rows=rows, kv_heads=1, head_dim=4)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.history: dict[str, list[list[torch.Tensor]]] = {}
+
+    def admit(self, owner_id: str) -> None:
+        self.rt.admit(owner_id, self.spec)
+        self.history[owner_id] = [[torch.zeros(0, 1, 4), torch.zeros(0, 1, 4)] for _ in range(2)]
+
+    def fork(self, parent: str, child: str) -> None:
+        self.rt.fork(parent, child, commits=1)
+        self.history[child] = [list(h) for h in self.history[parent]]
+
+    def forward(self, owner_ids: list[str], kind: str, n: int, scale: float = 0.5) -> None:
+        """One forward of `owner_ids` (batched when several) at chunk length n, checked row by row against dense
+        eager attention over the row's whole history with an explicit mask of the dense window."""
+        rows = [(o, r) for o in owner_ids for r in range(2)]
+        forward = (self.rt.forward(owner_ids[0], kind, tokens=n) if len(owner_ids) == 1
+                   else self.rt.forward_batch([(o, kind, {"tokens": n}) for o in owner_ids]))
+        with forward as active:
+            meta, T = active.meta, active.bucket.tokens
+            q = torch.randn(len(rows), T, 2, 4, generator=self.gen)
+            k, v = (torch.randn(len(rows), T, 1, 4, generator=self.gen) for _ in range(2))
+            slots, table = meta.layers[0].tensors()
+            out = torch.ops.paged_kv.write_attend(q, k, v, self.rt.pool.tensor, slots, table, meta.seq_lens,
+                                                  meta.kv_visible_end, scale, self.kernel, kv_gap=meta.kv_gap)
+            for i, (o, r) in enumerate(rows):
+                hk, hv = self.history[o][r]
+                want = _dense_attention(q[i], hk, hv, _dense_window(len(hk), self.spec, n), k[i], v[i], scale)
+                torch.testing.assert_close(out[i], want, atol=ATOL, rtol=0)
+        if kind == "commit":
+            for i, (o, r) in enumerate(rows):
+                hk, hv = self.history[o][r]
+                self.history[o][r] = [torch.cat([hk, k[i, :n]]), torch.cat([hv, v[i, :n]])]
+
+
 @pytest.mark.parametrize("kernel,seed,chunks", [("reference", 0, 16), ("reference", 1, 16), ("triton", 2, 6)])
 def test_irregular_op_with_the_plans_metadata_equals_dense_eager_attention(kernel, seed, chunks):
     """The op (`paged_kv::write_attend`) driven with every forward's metadata (its layer's slots and table, seq_lens,
@@ -159,42 +200,36 @@ def test_irregular_op_with_the_plans_metadata_equals_dense_eager_attention(kerne
     commit wrote is the history later forwards read; a fork at a partial block then commits its own chunk."""
     rng = random.Random(seed)
     spec, B, unit, audio_max = taomate_spec(rng)
-    rt = runtime_for(spec, B, rows=4, kv_heads=1, head_dim=4)
-    rt.admit("s", spec)
-    gen = torch.Generator().manual_seed(seed)
-    hist = {"s": [[torch.zeros(0, 1, 4), torch.zeros(0, 1, 4)] for _ in range(2)]}
-    scale = 0.5
+    rig = OpRig(spec, B, rows=4, kernel=kernel, seed=seed)
+    rig.admit("s")
+    for n in taomate_schedule(rng, unit, audio_max, chunks):
+        rig.forward(["s"], "denoise", n)
+        rig.forward(["s"], "commit", n)
+    while rig.rt.scheduler.owners["s"].state.history[0] % B == 0:  # fork at a partial last block
+        rig.forward(["s"], "commit", spec.shortest_chunk)
+    rig.fork("s", "child")
+    rig.forward(["child"], "commit", spec.chunk_tokens)
+    rig.forward(["s"], "commit", spec.shortest_chunk)
+    rig.forward(["child"], "denoise", spec.shortest_chunk)
+    rig.forward(["s"], "denoise", spec.chunk_tokens)
 
-    def forward(owner_id: str, kind: str, n: int) -> None:
-        with rt.forward(owner_id, kind, tokens=n) as active:
-            meta, R, T = active.meta, len(active.plan.rows), active.bucket.tokens
-            q = torch.randn(R, T, 2, 4, generator=gen)
-            k, v = torch.randn(R, T, 1, 4, generator=gen), torch.randn(R, T, 1, 4, generator=gen)
-            slots, table = meta.layers[0].tensors()
-            out = torch.ops.paged_kv.write_attend(q, k, v, rt.pool.tensor, slots, table, meta.seq_lens,
-                                                  meta.kv_visible_end, scale, kernel, kv_gap=meta.kv_gap)
-            for r in range(R):
-                hk, hv = hist[owner_id][r]
-                visible = _dense_window(len(hk), spec, n)
-                want = _dense_attention(q[r], hk, hv, visible, k[r], v[r], scale)
-                torch.testing.assert_close(out[r], want, atol=ATOL, rtol=0)
-        if kind == "commit":
-            for r in range(R):
-                hk, hv = hist[owner_id][r]
-                hist[owner_id][r] = [torch.cat([hk, k[r, :n]]), torch.cat([hv, v[r, :n]])]
 
-    schedule = taomate_schedule(rng, unit, audio_max, chunks)
-    for n in schedule:
-        forward("s", "denoise", n)
-        forward("s", "commit", n)
-    while rt.scheduler.owners["s"].state.history[0] % B == 0:  # fork at a partial last block
-        forward("s", "commit", spec.shortest_chunk)
-    rt.fork("s", "child", commits=1)
-    hist["child"] = [list(h) for h in hist["s"]]
-    forward("child", "commit", spec.chunk_tokens)
-    forward("s", "commit", spec.shortest_chunk)
-    forward("child", "denoise", spec.shortest_chunk)
-    forward("s", "denoise", spec.chunk_tokens)
+def test_irregular_batched_sessions_at_different_histories_equal_dense():
+    """Two sessions whose histories differ (different chunk lengths so far) batched into one forward of one chunk
+    length: each row reads its own window, and the commit becomes each one's history (checked by the next forwards)."""
+    rng = random.Random(7)
+    spec, B, unit, audio_max = taomate_spec(rng)
+    rig = OpRig(spec, B, rows=4, kernel="reference", seed=7)
+    rig.admit("a")
+    rig.admit("b")
+    for _ in range(10):
+        rig.forward(["a"], "commit", rng.randint(spec.shortest_chunk, spec.chunk_tokens))
+        rig.forward(["b"], "commit", rng.randint(spec.shortest_chunk, spec.chunk_tokens))
+        n = rng.randint(spec.shortest_chunk, spec.chunk_tokens)
+        rig.forward(["a", "b"], "denoise", n)
+        rig.forward(["a", "b"], "commit", n)
+    history = [rig.rt.scheduler.owners[o].state.history[0] for o in ("a", "b")]
+    assert history[0] != history[1]
 
 
 def test_irregular_chunk_length_out_of_range_is_refused_and_changes_nothing():

@@ -6,6 +6,8 @@ by the next commit; a block is freed when none of its tokens is visible). A comm
 the history (the rest of the last block, then new managed blocks), which becomes history when it finishes; a
 denoising forward writes the chunk and the action tokens after the history too (the last block's unused tail, then
 per-row scratch) and throws them away. One `kv_gap` per row hides what lies between the sink and the window.
+A session of `DreamZeroSpec.irregular` gives each forward's chunk length (`tokens=n`: chunks of irregular length, a
+sink of any token prefix, e.g. a video-only sink beside audio tokens); its record counts its history in tokens.
 The dense model reads its cache as one `(2, B, L, H, D)` tensor per layer; in paged mode it gets a zero-stride
 stand-in of that shape.
 """
