@@ -322,14 +322,15 @@ MODEL_SPEC = DreamZeroSpec.irregular(window_tokens=40, shortest=min(SCHEDULE), l
 
 
 def model_runtime(model: DreamZeroModel, block: int, cross_regions: int = 0) -> PagedKVRuntime:
-    """A runtime for MODEL_SPEC's two rows (exactly what admission reserves, plus `cross_regions` shared regions)
-    with one bucket per chunk length of SCHEDULE, bound to `model`."""
+    """A runtime for one session of MODEL_SPEC (exactly what admission reserves for its two rows, plus
+    `cross_regions` shared regions) with one bucket per chunk length of SCHEDULE, bound to `model`."""
     spec, A = MODEL_SPEC, MODEL_CFG.action_register_length
     buckets = tuple(b for b in spec.buckets(2) if b.tokens - A in LENGTHS)
-    blocks = 2 * session_blocks_per_row(spec, block) + cross_regions * -(-MODEL_CFG.cross_len // block)
-    runtime = PagedKVRuntime(dreamzero_runtime_config(
-        MODEL_CFG, block_size=block, kernel="reference", buckets=buckets, kv_gaps=spec.has_gaps(block),
-        cross_regions=cross_regions, blocks_per_layer=blocks))
+    config = dreamzero_runtime_config(MODEL_CFG, block_size=block, kernel="reference", buckets=buckets,
+                                      cross_regions=cross_regions, spec=spec)
+    assert config.kv_gaps and config.blocks_per_layer == (2 * session_blocks_per_row(spec, block)
+                                                          + cross_regions * -(-MODEL_CFG.cross_len // block))
+    runtime = PagedKVRuntime(config)
     runtime.bind(model.blocks)
     return runtime
 

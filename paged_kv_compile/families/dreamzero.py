@@ -194,21 +194,22 @@ def dreamzero_buckets(model_cfg, rows: int | Sequence[int] = 2) -> tuple[Bucket,
 
 
 def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessions: int = 1, rows: int = 2,
-                             cross_regions: int = 0, **overrides) -> PagedKVConfig:
+                             cross_regions: int = 0, spec: DreamZeroSpec | None = None, **overrides) -> PagedKVConfig:
     """A pool for `sessions` DreamZero sessions of `rows` CFG rows each, sized by what admission checks, plus
     room for `cross_regions` distinct shared cross-attention regions (`regions.py`: one per distinct row
     content, e.g. 2 for one prompt's conditional and negative rows however many sessions share them).
 
     Each row gets `session_blocks_per_row` blocks (the most its loop ever holds, e.g. 18 of a 21-frame window
     when the loop resets at frame 20), which admission reserves (`reserve`), so a pool built here admits exactly
-    `sessions` sessions of `rows` rows, a fork counting as one, and none of them ever waits for a block."""
+    `sessions` sessions of `rows` rows, a fork counting as one, and none of them ever waits for a block.
+    spec: the sessions' spec when it is not the model config's (e.g. `DreamZeroSpec.irregular`)."""
     block_size = block_size or model_cfg.frame_seqlen
-    spec = DreamZeroSpec.from_model_config(model_cfg)
+    spec = spec if spec is not None else DreamZeroSpec.from_model_config(model_cfg)
     tokens_per_row = session_blocks_per_row(spec, block_size) * block_size
     cfg = pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
         block_size=block_size, owners=sessions, rows=rows, tokens_per_row=tokens_per_row,
-        scratch_tokens_per_row=model_cfg.tokens_per_forward,
+        scratch_tokens_per_row=max(model_cfg.tokens_per_forward, spec.tokens_per_forward),
         overrides={"kv_gaps": spec.has_gaps(block_size), **overrides},
     )
     if cross_regions and "blocks_per_layer" not in overrides and "budget_bytes" not in overrides:
@@ -344,8 +345,8 @@ class DreamZeroFamily(Family):
         B = blocks.block_size  # any size: a block holds tokens of any frames (`RowWindow`)
         if spec.chunk_tokens + spec.sink_tokens > spec.window_tokens:
             raise ConfigError(
-                f"the window ({spec.window_frames} frames) is smaller than a chunk ({spec.chunk_frames} frames) "
-                f"plus the sink ({spec.sink_frames} frames); enlarge local_attn_size or shrink the chunk/sink"
+                f"the window ({spec.window_tokens} tokens) is smaller than a chunk ({spec.chunk_tokens} tokens, the "
+                f"longest) plus the sink ({spec.sink_tokens} tokens); enlarge local_attn_size or shrink the chunk/sink"
             )
         per_row = session_blocks_per_row(spec, B)
         if rows * per_row > blocks.num_blocks:
