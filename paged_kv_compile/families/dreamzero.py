@@ -6,6 +6,8 @@ by the next commit; a block is freed when none of its tokens is visible). A comm
 the history (the rest of the last block, then new managed blocks), which becomes history when it finishes; a
 denoising forward writes the chunk and the action tokens after the history too (the last block's unused tail, then
 per-row scratch) and throws them away. One `kv_gap` per row hides what lies between the sink and the window.
+A session of `DreamZeroSpec.irregular` gives each forward's chunk length (`tokens=n`: chunks of irregular length, a
+sink of any token prefix, e.g. a video-only sink beside audio tokens); its record counts its history in tokens.
 The dense model reads its cache as one `(2, B, L, H, D)` tensor per layer; in paged mode it gets a zero-stride
 stand-in of that shape.
 """
@@ -35,9 +37,12 @@ NAME = "dreamzero"
 @dataclass
 class DreamZeroRecord:
     """What a session keeps beyond its blocks (`Owner.state`): per row, the chunks committed since the last window
-    reset (a fork needs every row at the same chunk boundary)."""
+    reset (a fork needs every row at the same chunk boundary) and, for a spec with chunks of irregular length
+    (`DreamZeroSpec.chunk_tokens_range`), the history tokens they hold; None: derived from the fixed phases
+    (`history_tokens`)."""
 
     commits: list[int]
+    history: list[int] | None = None
 
 KINDS = ("commit", "denoise")
 
@@ -67,6 +72,34 @@ class DreamZeroSpec:
     first_commit_frames: int | None = None
     commit_action_tokens: int | None = None
     reset_frames: int | None = None
+    chunk_tokens_range: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens_range is not None:
+            lo, hi = self.chunk_tokens_range
+            if not 1 <= lo <= hi or hi != self.chunk_tokens or self.first_commit_frames is not None:
+                raise ConfigError(
+                    f"chunk_tokens_range={self.chunk_tokens_range} with chunks of {self.chunk_tokens} tokens: a spec "
+                    "with chunks of irregular length gives (shortest, longest) >= 1 with the longest as its chunk and "
+                    "no first_commit_frames; build it with DreamZeroSpec.irregular(...)")
+
+    @classmethod
+    def irregular(cls, *, window_tokens: int, shortest: int, longest: int, sink_tokens: int = 0,
+                  action_tokens: int = 0, commit_action_tokens: int | None = None) -> "DreamZeroSpec":
+        """A session whose forwards give their chunk length (`runtime.forward(id, kind, tokens=n)`, shortest <= n
+        <= longest; e.g. TaoMate-H3's 12/10/10/5 video latents plus a variable number of audio latents) and whose
+        sink is any prefix of its history in tokens (a video-only sink: the video tokens of the first chunk, its
+        audio then lies in the gap). Counted in tokens (frames of one token). The window keeps the most recent
+        tokens that fit beside the sink and the forward's chunk (what a dense `cat`/slice cache keeps), not whole
+        chunks; a finished commit keeps what a next chunk of `shortest` tokens sees."""
+        return cls(frame_seqlen=1, chunk_frames=longest, window_frames=window_tokens, sink_frames=sink_tokens,
+                   action_tokens=action_tokens, commit_action_tokens=commit_action_tokens,
+                   chunk_tokens_range=(shortest, longest))
+
+    @property
+    def shortest_chunk(self) -> int:
+        """The fewest windowed tokens a forward computes: what a finished commit keeps history for."""
+        return self.chunk_tokens if self.chunk_tokens_range is None else self.chunk_tokens_range[0]
 
     def phase(self, kind: str, *, first: bool = False) -> tuple[int, int]:
         """(windowed tokens, register tokens) of a forward of `kind` ("commit"/"denoise")."""
@@ -77,7 +110,12 @@ class DreamZeroSpec:
         return frames * self.frame_seqlen, registers
 
     def phases(self) -> list[tuple[int, int]]:
-        """Every distinct (windowed, registers) a session runs: one shape bucket each."""
+        """Every distinct (windowed, registers) a session runs: one shape bucket each (chunks of irregular length:
+        one per length from the shortest to the longest)."""
+        if self.chunk_tokens_range is not None:
+            lo, hi = self.chunk_tokens_range
+            registers = {self.phase("commit")[1], self.action_tokens}
+            return [(n, a) for n in range(lo, hi + 1) for a in sorted(registers)]
         out = [self.phase("commit", first=True), self.phase("commit"), self.phase("denoise")]
         return list(dict.fromkeys(out))
 
@@ -125,7 +163,10 @@ class DreamZeroSpec:
     def has_gaps(self, block_size: int) -> bool:
         """Whether a row's window may start, or its sink end, inside a block of `block_size` tokens (so its table
         hides keys: `RowWindow.logical`'s kv_gap). Every window bound is a frame bound (history is whole frames,
-        registers never become history), so only a block that does not divide the frame makes gaps."""
+        registers never become history), so only a block that does not divide the frame makes gaps. Chunks of
+        irregular length put window bounds anywhere: any block of more than one token may hide keys."""
+        if self.chunk_tokens_range is not None:
+            return block_size > 1
         return self.frame_seqlen % block_size != 0
 
     @property
@@ -153,21 +194,22 @@ def dreamzero_buckets(model_cfg, rows: int | Sequence[int] = 2) -> tuple[Bucket,
 
 
 def dreamzero_runtime_config(model_cfg, *, block_size: int | None = None, sessions: int = 1, rows: int = 2,
-                             cross_regions: int = 0, **overrides) -> PagedKVConfig:
+                             cross_regions: int = 0, spec: DreamZeroSpec | None = None, **overrides) -> PagedKVConfig:
     """A pool for `sessions` DreamZero sessions of `rows` CFG rows each, sized by what admission checks, plus
     room for `cross_regions` distinct shared cross-attention regions (`regions.py`: one per distinct row
     content, e.g. 2 for one prompt's conditional and negative rows however many sessions share them).
 
     Each row gets `session_blocks_per_row` blocks (the most its loop ever holds, e.g. 18 of a 21-frame window
     when the loop resets at frame 20), which admission reserves (`reserve`), so a pool built here admits exactly
-    `sessions` sessions of `rows` rows, a fork counting as one, and none of them ever waits for a block."""
+    `sessions` sessions of `rows` rows, a fork counting as one, and none of them ever waits for a block.
+    spec: the sessions' spec when it is not the model config's (e.g. `DreamZeroSpec.irregular`)."""
     block_size = block_size or model_cfg.frame_seqlen
-    spec = DreamZeroSpec.from_model_config(model_cfg)
+    spec = spec if spec is not None else DreamZeroSpec.from_model_config(model_cfg)
     tokens_per_row = session_blocks_per_row(spec, block_size) * block_size
     cfg = pool_config(
         num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_heads, head_dim=model_cfg.head_dim,
         block_size=block_size, owners=sessions, rows=rows, tokens_per_row=tokens_per_row,
-        scratch_tokens_per_row=model_cfg.tokens_per_forward,
+        scratch_tokens_per_row=max(model_cfg.tokens_per_forward, spec.tokens_per_forward),
         overrides={"kv_gaps": spec.has_gaps(block_size), **overrides},
     )
     if cross_regions and "blocks_per_layer" not in overrides and "budget_bytes" not in overrides:
@@ -252,6 +294,8 @@ def session_blocks_per_row(spec: DreamZeroSpec, block_size: int) -> int:
     repeats with a longer period: the loop follows every phase of it).
     """
     B = block_size
+    if spec.chunk_tokens_range is not None:
+        return irregular_blocks_per_row(spec, B)
     peak = frame = commits = 0
     window = RowWindow.of(spec, 0, B, spec.chunk_tokens)
     # the window's block alignment repeats after lcm(B, chunk) tokens past the window: steady by then
@@ -271,6 +315,19 @@ def session_blocks_per_row(spec: DreamZeroSpec, block_size: int) -> int:
     return peak
 
 
+def irregular_blocks_per_row(spec: DreamZeroSpec, block_size: int) -> int:
+    """The most managed blocks a row with chunks of irregular length may hold, over every sequence of chunk lengths
+    (the worst: the longest chunk committed onto history kept for the shortest, at the worst block alignment).
+
+    Between forwards a row holds its sink blocks and the blocks of at most `window - sink - shortest` recent tokens
+    from a block start on (`finish`); a commit of at most `longest` tokens continues them, so the blocks from the
+    first recent one on span at most `B - 1 + keep + longest` tokens. Before the window slides the row holds fewer.
+    """
+    B, S = block_size, spec.sink_tokens
+    keep = max(spec.window_tokens - S - spec.shortest_chunk, 0)
+    return ceil_div(S, B) + ceil_div(B - 1 + keep + spec.chunk_tokens, B)
+
+
 class DreamZeroFamily(Family):
     """The `Family` of DreamZero sessions (see `families/base.py`)."""
 
@@ -288,8 +345,8 @@ class DreamZeroFamily(Family):
         B = blocks.block_size  # any size: a block holds tokens of any frames (`RowWindow`)
         if spec.chunk_tokens + spec.sink_tokens > spec.window_tokens:
             raise ConfigError(
-                f"the window ({spec.window_frames} frames) is smaller than a chunk ({spec.chunk_frames} frames) "
-                f"plus the sink ({spec.sink_frames} frames); enlarge local_attn_size or shrink the chunk/sink"
+                f"the window ({spec.window_tokens} tokens) is smaller than a chunk ({spec.chunk_tokens} tokens, the "
+                f"longest) plus the sink ({spec.sink_tokens} tokens); enlarge local_attn_size or shrink the chunk/sink"
             )
         per_row = session_blocks_per_row(spec, B)
         if rows * per_row > blocks.num_blocks:
@@ -312,7 +369,8 @@ class DreamZeroFamily(Family):
         """A commit (its K/V becomes history) or a denoising forward (scratch) of the session's chunk.
 
         branch: run only that row (CFG branch) as a batch-1 forward over its own cache; None: all rows.
-        The phase's token counts come from the spec: a commit into an empty window is the first commit.
+        The phase's token counts come from the spec: a commit into an empty window is the first commit; a spec
+        with chunks of irregular length takes the chunk's length as `tokens=n` (`DreamZeroSpec.irregular`).
         Other `args` (the rollout's start_frame, step, ...) do not change the layout.
         """
         if kind not in KINDS:
@@ -324,6 +382,7 @@ class DreamZeroFamily(Family):
         commit = kind == "commit"
         run = list(range(owner.num_rows)) if branch is None else [branch]
         n, a = spec.phase(kind, first=commit and all(owner.state.commits[r] == 0 for r in run))
+        n = self._chunk_tokens(owner, n, args.get("tokens"))
         B = blocks.block_size
         windows = [self._window(owner, r, B, n) for r in run]
         counts = [commit_new_blocks(w[1], len(owner.rows[r]), n, B) if commit else 0 for r, w in zip(run, windows)]
@@ -340,20 +399,43 @@ class DreamZeroFamily(Family):
 
         try:
             layouts = make() if commit else reuse_layouts(
-                owner, (kind, owner.version, branch, blocks.first_scratch_row), make)
+                owner, (kind, owner.version, branch, blocks.first_scratch_row, n), make)
         except BaseException:
             for ids in taken:
                 blocks.free(ids)
             raise
-        key = (owner.serial, kind, owner.version, branch) if not commit else ()
+        key = (owner.serial, kind, owner.version, branch, n) if not commit else ()
         return ForwardPlan(owner.owner_id, kind, layouts, n + a, spec.window_tokens, new_blocks, key, keeps_kv=commit,
                            phase={"chunk_tokens": n, "action_tokens": a}, owner_rows=run)
 
     @staticmethod
-    def _window(owner: Owner, r: int, block_size: int, windowed: int) -> tuple[RowWindow, int, tuple[int, int]]:
+    def _chunk_tokens(owner: Owner, phase_tokens: int, tokens: Any) -> int:
+        """The forward's windowed tokens: the phase's, or `tokens=` for a spec with chunks of irregular length."""
+        spec: DreamZeroSpec = owner.spec
+        if spec.chunk_tokens_range is None:
+            if tokens is not None:
+                raise RequestError(
+                    f"tokens={tokens!r}: session {owner.owner_id!r} runs chunks of fixed length ({phase_tokens} "
+                    "tokens this forward); admit it with DreamZeroSpec.irregular(...) to give each chunk's length")
+            return phase_tokens
+        lo, hi = spec.chunk_tokens_range
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not lo <= tokens <= hi:
+            raise RequestError(
+                f"tokens={tokens!r}: session {owner.owner_id!r} has chunks of irregular length, so each forward "
+                f"gives its chunk's length as tokens=n with {lo} <= n <= {hi} (its spec's chunk_tokens_range)")
+        return tokens
+
+    @staticmethod
+    def _history(owner: Owner, r: int) -> int:
+        """Row `r`'s history tokens since its last reset."""
+        state: DreamZeroRecord = owner.state
+        return history_tokens(owner.spec, state.commits[r]) if state.history is None else state.history[r]
+
+    @classmethod
+    def _window(cls, owner: Owner, r: int, block_size: int, windowed: int) -> tuple[RowWindow, int, tuple[int, int]]:
         """Row `r`'s window for a forward of `windowed` new tokens, its logical history end and its kv_gap."""
         spec: DreamZeroSpec = owner.spec
-        window = RowWindow.of(spec, history_tokens(spec, owner.state.commits[r]), block_size, windowed)
+        window = RowWindow.of(spec, cls._history(owner, r), block_size, windowed)
         first_held = window.history_blocks - (len(owner.rows[r]) - window.sink_blocks)
         return (window, *window.logical(first_held))
 
@@ -393,10 +475,12 @@ class DreamZeroFamily(Family):
         spec, B = owner.spec, blocks.block_size
         rows = plan.owner_rows if plan.owner_rows is not None else range(owner.num_rows)
         for r in rows:
-            before = RowWindow.of(spec, history_tokens(spec, owner.state.commits[r]), B, spec.chunk_tokens)
+            before = RowWindow.of(spec, self._history(owner, r), B, spec.shortest_chunk)
             first_held = before.history_blocks - (len(owner.rows[r]) - before.sink_blocks)
             owner.state.commits[r] += 1
-            after = RowWindow.of(spec, history_tokens(spec, owner.state.commits[r]), B, spec.chunk_tokens)
+            if owner.state.history is not None:
+                owner.state.history[r] += plan.phase["chunk_tokens"]
+            after = RowWindow.of(spec, self._history(owner, r), B, spec.shortest_chunk)
             held = owner.rows[r] + plan.new_blocks[r]  # history blocks [0, sink) and [first_held, history_blocks)
             # the sink grows only while it fills, and then the row held nothing else: recent blocks start at
             # history block max(first_held, after.sink_blocks)
@@ -408,7 +492,7 @@ class DreamZeroFamily(Family):
 
     # ---- forks ----------------------------------------------------------------------------------
     def new_state(self, spec: DreamZeroSpec, rows: int) -> DreamZeroRecord:
-        return DreamZeroRecord([0] * rows)
+        return DreamZeroRecord([0] * rows, None if spec.chunk_tokens_range is None else [0] * rows)
 
     def fork_state(self, owner: Owner, blocks: BlockSource, *, commits: int | None = None) -> DreamZeroRecord:
         """A session can be forked between forwards when every row has committed the same chunks.
@@ -423,13 +507,15 @@ class DreamZeroFamily(Family):
             raise RequestError(f"commits={commits!r}: a fork's commit budget is a count of chunks (an int >= 0), "
                                "or None for a fork that may commit like any session")
         done = list(owner.state.commits)
-        if len(set(done)) > 1:
+        history = None if owner.state.history is None else list(owner.state.history)
+        if len(set(done)) > 1 or (history is not None and len(set(history)) > 1):
             raise RequestError(
                 f"session {owner.owner_id!r} is not at a chunk boundary: its rows (CFG branches) have committed "
-                f"{done} chunks since the last window reset; commit the same chunk on every branch "
+                f"{done} chunks ({history or 'fixed-length'} tokens) since the last window reset; commit the same "
+                "chunk on every branch "
                 "(runtime.forward(session, 'commit', branch=b)) before forking"
             )
-        return DreamZeroRecord(done)
+        return DreamZeroRecord(done, history)
 
     def fork_budget(self, owner: Owner, blocks: BlockSource, *, commits: int | None = None) -> int | None:
         """With `commits=n` the fork may commit n chunks per row (a candidate that commits once, then is scored
@@ -445,8 +531,8 @@ class DreamZeroFamily(Family):
         """Per row, the index in `owner.rows[r]` of its last block when that block is partial: the next forward of
         either side writes its tail, so the child gets a copy of it (the scheduler copies it at the fork)."""
         B = blocks.block_size
-        return [[len(row) - 1] if row and history_tokens(owner.spec, c) % B else []
-                for row, c in zip(owner.rows, owner.state.commits)]
+        return [[len(row) - 1] if row and self._history(owner, r) % B else []
+                for r, row in enumerate(owner.rows)]
 
     def history_dropped(self, owner: Owner) -> None:
         owner.state = self.new_state(owner.spec, owner.num_rows)
