@@ -67,6 +67,15 @@ class _HistoryMap:
         assert all(t < history for t in out)
         return out
 
+    def check_held(self, blocks: list[int], history: int, visible: set[int]) -> None:
+        """A row holds a history block only while one of its tokens is visible, or while the next commit
+        continues it (the partial last block)."""
+        B = self.B
+        for block in blocks:
+            h = self.index[block]
+            tokens = range(h * B, min((h + 1) * B, history))
+            assert visible.intersection(tokens) or (history % B and h == history // B), (B, h)
+
     def committed(self, row, history: int, tokens: int, new: list[int]) -> None:
         """A commit's chunk (history tokens [history, history + tokens)) lands where history order says: in the
         row's partial last block, then in the `new` blocks it took (a block id freed earlier may come back)."""
@@ -129,13 +138,9 @@ def test_page_size_window_is_the_dense_window_token_by_token(seed):
                 peak = max(peak, *(len(owner.rows[r]) + len(commit.new_blocks[r]) for r in range(2)))
                 rt.scheduler.finish_forward(commit)
                 history, frame, commits = history + n, frame + n // spec.frame_seqlen, commits + 1
-                # a block is held only while one of its tokens is visible, or while the next commit continues it
                 visible = set(_dense_window(history, spec, spec.chunk_tokens))
                 for r in range(2):
-                    for block in owner.rows[r]:
-                        h = maps[r].index[block]
-                        tokens = range(h * B, min((h + 1) * B, history))
-                        assert visible.intersection(tokens) or (history % B and h == history // B), (spec, B, h)
+                    maps[r].check_held(owner.rows[r], history, visible)
             rt.reset("s")
             maps, history, frame = [_HistoryMap(B) for _ in range(2)], 0, 0
         assert peak == per_row, (spec, B)

@@ -108,10 +108,7 @@ def test_irregular_window_is_the_dense_window_token_by_token(seed):
                 assert owner.state.history == [history, history]
                 visible = set(_dense_window(history, spec, spec.shortest_chunk))
                 for r in range(2):
-                    for block in owner.rows[r]:
-                        h = maps[r].index[block]
-                        tokens = range(h * B, min((h + 1) * B, history))
-                        assert visible.intersection(tokens) or (history % B and h == history // B), (spec, B, h)
+                    maps[r].check_held(owner.rows[r], history, visible)
             rt.reset("s")
         assert slid
         assert peak <= per_row, (spec, B, peak, per_row)
