@@ -435,8 +435,7 @@ def _vllm_layer(cache: Any, layer: int, head_dim: int) -> tuple[torch.Tensor, to
 def _copy_pages(pool: Any, pages: list[int], tiles: torch.Tensor) -> None:
     """Whole pages ``(layers, 2, len(pages), block_size, H, D)`` into local `pages` of every layer."""
     L, _, n = tiles.shape[:3]
-    ids = torch.as_tensor([base + b for base in pool.layer_bases.tolist() for b in pages], dtype=torch.int64)
-    pool.tensor[:, ids.to(pool.tensor.device)] = tiles.transpose(0, 1).reshape(2, L * n, *tiles.shape[3:])
+    pool.tensor[:, pool.layer_block_ids(pages)] = tiles.transpose(0, 1).reshape(2, L * n, *tiles.shape[3:])
 
 
 def _import(runtime: Any, ticket: ImportTicket, prepare: Callable[[PagedKVRuntime], tuple], what: tuple) -> None:

@@ -27,7 +27,7 @@ Set them with `set_scales` (e.g. from a calibration run's amax, `scales_from_ama
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -238,8 +238,9 @@ class KVPool:
         return torch.where(valid, slots, torch.full_like(slots, -1))
 
     # ---- write-once regions (regions.py) ------------------------------------------------------------
-    def _region_ids(self, blocks: list[int]) -> torch.Tensor:
-        """Absolute ids ``[num_layers * len(blocks)]`` of local `blocks` in every layer, layer-major."""
+    def layer_block_ids(self, blocks: Sequence[int]) -> torch.Tensor:
+        """Absolute ids ``[num_layers * len(blocks)]`` of local `blocks` in every layer, layer-major, on the pool's
+        device: what a host-side read or write of whole blocks indexes `tensor[:, ids]` with."""
         layers = torch.arange(self.num_layers)[:, None]
         return self.block_id(layers, torch.as_tensor(blocks, dtype=torch.int64)[None, :]).reshape(-1).to(self.tensor.device)
 
@@ -262,12 +263,12 @@ class KVPool:
         padded = stored.new_zeros(L, 2, n * self.block_size, H, D)
         padded[:, :, :T] = stored
         tiles = padded.view(L, 2, n, self.block_size, H, D).transpose(0, 1).reshape(2, L * n, self.block_size, H, D)
-        self.tensor[:, self._region_ids(blocks)] = tiles
+        self.tensor[:, self.layer_block_ids(blocks)] = tiles
 
     def read_region(self, blocks: list[int], tokens: int) -> torch.Tensor:
         """What `write_region` stored: ``(num_layers, 2, tokens, Hkv, D)`` in the pool's dtype."""
         n = len(blocks)
-        tiles = self.tensor[:, self._region_ids(blocks)]  # (2, L * n, block_size, H, D)
+        tiles = self.tensor[:, self.layer_block_ids(blocks)]  # (2, L * n, block_size, H, D)
         per_layer = tiles.view(2, self.num_layers, n * self.block_size, self.num_kv_heads, self.head_dim)
         return per_layer[:, :, :tokens].transpose(0, 1)
 

@@ -45,7 +45,7 @@ class LifecycleSnapshot:
         self.region_blocks = set(regions.blocks)
         self.holders = [(r, r.holders) for rs in regions._by_digest.values() for r in rs]
         self.prefix_cache = sched.prefix_cache.save()
-        self.index = self._absolute(protect)
+        self.index = runtime.pool.layer_block_ids(list(protect))
         self.data = runtime.pool.tensor[:, self.index].clone() if len(self.index) else None
         pool_scales = runtime.pool.scales
         self.scales = pool_scales.clone() if scales and pool_scales is not None else None
@@ -58,11 +58,6 @@ class LifecycleSnapshot:
         saved["phases_done"] = set(owner.phases_done)
         saved["state"] = copy.deepcopy(owner.state)  # the family's records (a layout, chunk counts): small
         return saved
-
-    def _absolute(self, blocks: Sequence[int]) -> torch.Tensor:
-        pool = self.runtime.pool
-        return torch.tensor([base + b for base in pool.layer_bases.tolist() for b in blocks], dtype=torch.long,
-                            device=pool.tensor.device)
 
     def keep(self) -> None:
         self.runtime.scheduler.allocator.end_undo()
