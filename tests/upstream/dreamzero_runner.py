@@ -389,9 +389,17 @@ def dense_runner_class():
 DENSE_RUNNER = "upstream.dreamzero_runner.DenseARDiffusionModelRunner"
 
 
-def __getattr__(name: str):
-    if name == "DenseARDiffusionModelRunner":  # resolved by qualname, as the worker resolves runners
-        cls = dense_runner_class()
-        globals()[name] = cls
+def lazy_class(module_globals: dict, name: str, build):
+    """A module `__getattr__` that builds class `name` on first access (resolved by qualname, as the worker
+    resolves runners; vllm-omni's base class is imported only then) and keeps it in the module."""
+
+    def __getattr__(attr: str):
+        if attr != name:
+            raise AttributeError(attr)
+        cls = module_globals[attr] = build()
         return cls
-    raise AttributeError(name)
+
+    return __getattr__
+
+
+__getattr__ = lazy_class(globals(), "DenseARDiffusionModelRunner", dense_runner_class)

@@ -244,14 +244,7 @@ def dense_runner_class():
 
 
 DENSE_RUNNER = "upstream.lingbot_runner.DenseLingBotRunner"
-
-
-def __getattr__(name: str):
-    if name == "DenseLingBotRunner":  # resolved by qualname, as the worker resolves runners
-        cls = dense_runner_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+__getattr__ = dr.lazy_class(globals(), "DenseLingBotRunner", dense_runner_class)
 
 
 def build_runner(od_config, *, available_bytes: int = 1 << 26):

@@ -279,6 +279,16 @@ def sync_check(value: float) -> list[float]:
     return out
 
 
+def outcome(fn: Callable[[], Any]) -> tuple[str, str]:
+    """(exception class name, message) of fn(), or ("ok", ""): what a rank task returns so that the test can compare
+    every rank's refusal."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the outcome is what the tests compare
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
 def hang_on_rank(rank: int) -> None:
     """`rank` waits in a collective the others never join (tests the timeout path)."""
     if torch.distributed.get_rank() == rank:

@@ -15,7 +15,7 @@ import torch
 from helpers import CountingBackend
 
 from paged_kv_compile.config import PagedKVConfig
-from paged_kv_compile.families.dreamzero import DreamZeroSpec
+from paged_kv_compile.families.dreamzero import DreamZeroSpec, session_blocks_per_row
 from paged_kv_compile.runtime import PagedKVRuntime
 
 from .dreamzero_pipeline import DenseKV, PagedKV, run_session
@@ -27,7 +27,9 @@ ATOL = 1e-5
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _pair(omni, inner: str, calls: int, **model_kw):
+def _pair(omni, inner: str, calls: int, *, block_size: int | None = None, plans: list | None = None, **model_kw):
+    """The same session dense (eager) and paged (compiled, `inner` inside): `block_size` (default: a frame) pages the
+    pool; `plans`, when given, collects each forward's plan."""
     frame_hw = model_kw.get("frame_hw", (4, 8))
     model_d = omni.tiny_dreamzero_model(**model_kw)
     with torch.no_grad():
@@ -35,9 +37,10 @@ def _pair(omni, inner: str, calls: int, **model_kw):
     model = omni.tiny_dreamzero_model(**model_kw)
     spec = DreamZeroSpec.from_vllm_omni(model)
     attn = model.blocks[0].self_attn
+    block = block_size or spec.frame_seqlen
     rt = PagedKVRuntime(PagedKVConfig(
-        num_layers=len(model.blocks), num_kv_heads=attn.tp_num_heads, head_dim=attn.head_dim,
-        block_size=spec.frame_seqlen, blocks_per_layer=2 * (spec.window_frames + spec.chunk_frames), max_rows=2,
+        num_layers=len(model.blocks), num_kv_heads=attn.tp_num_heads, head_dim=attn.head_dim, block_size=block,
+        blocks_per_layer=2 * session_blocks_per_row(spec, block), max_rows=2,  # what admission reserves: no more
         scratch_tokens_per_row=spec.tokens_per_forward, buckets=spec.buckets(rows=1), kernel="reference"))
     rt.bind(model.blocks)
     rt.admit("s", spec, rows=2)  # two CFG branches, one cache each
@@ -46,6 +49,9 @@ def _pair(omni, inner: str, calls: int, **model_kw):
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
     kv = PagedKV(model, rt, "s", lambda kind, branch: rt.forward("s", "commit" if kind == "commit" else "denoise",
                                                                  branch=branch))
+    if plans is not None:
+        plan = rt.scheduler.plan
+        rt.scheduler.plan = lambda *a, **k: plans.append(p := plan(*a, **k)) or p
     with torch.no_grad(), torch.compiler.config.patch(dynamic_sources=START_FRAME_IS_A_VALUE):
         paged = run_session(model, kv, calls=calls, frame_hw=frame_hw)
     return dense, paged, backend, spec

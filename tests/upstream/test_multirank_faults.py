@@ -24,6 +24,7 @@ from paged_kv_compile.families.dreamzero import session_blocks_per_row
 from . import vllm_omni_cpu as omni_cpu
 from .dreamzero_pipeline import DenseKV, PagedKV, run_session
 from .hunyuan_pipeline import LAYERS, request_inputs, run_layers
+from .multirank import outcome
 from .rank_scenarios import HUNYUAN_ONE_RANK, DreamZeroRank, HunyuanRank, start_frame_is_a_value
 
 ATOL = 1e-5
@@ -39,15 +40,6 @@ class InjectedFault(RuntimeError):
 
 def _rank() -> int:
     return torch.distributed.get_rank()
-
-
-def _outcome(fn) -> tuple[str, str]:
-    """(exception class name, message) of fn(), or ("ok", "")."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the outcome is what the test compares
-        return type(e).__name__, str(e)
-    return "ok", ""
 
 
 class _Recorder(PagedKV):
@@ -106,7 +98,7 @@ def dreamzero_fault_task(state: dict, where: str) -> dict:
         kv = _Recorder(rank.model, rank.runtime, "s", lambda kind, branch: rank.forward("s", kind, branch),
                        fault_at=FIRST_CHUNK_COMMIT[len(rank.branches)], arm=lambda on: armed.update(on=on))
         with torch.no_grad(), start_frame_is_a_value():
-            outcome = _outcome(lambda: run_session(rank.model, kv, calls=3))
+            result = outcome(lambda: run_session(rank.model, kv, calls=3))
         after = rank.runtime.state()
         armed["on"] = False
         rank.runtime.release("s")  # the pool reserves one session's loop
@@ -114,7 +106,7 @@ def dreamzero_fault_task(state: dict, where: str) -> dict:
         with torch.no_grad(), start_frame_is_a_value():
             clean = run_session(rank.model, rank.kv("s2"), calls=3)
         rank.runtime.release("s2")
-        return {"outcome": outcome, "before": kv.before, "after": after, "failed_at": kv.count,
+        return {"outcome": result, "before": kv.before, "after": after, "failed_at": kv.count,
                 "clean_video": clean["video"], "clean_actions": clean["actions"], **rank.report()}
 
 
@@ -129,14 +121,14 @@ def dreamzero_refusal_task(state: dict) -> dict:
         _other_rank_runtime(rank, blocks_per_layer=per_row * rows - 1)
         out = {}
         before = rank.runtime.state()
-        out["admit"] = _outcome(lambda: rank.admit("too-big"))
+        out["admit"] = outcome(lambda: rank.admit("too-big"))
         out["admit_unchanged"] = rank.runtime.state() == before
         chunk_commit = Bucket(rows, rank.spec.chunk_tokens, rank.spec.window_tokens)
         _other_rank_runtime(rank, buckets=tuple(b for b in rank.runtime.config.buckets if b != chunk_commit))
         rank.admit("a")
         kv = _Recorder(rank.model, rank.runtime, "a", lambda kind, branch: rank.forward("a", kind, branch))
         with torch.no_grad(), start_frame_is_a_value():
-            out["forward"] = _outcome(lambda: run_session(rank.model, kv, calls=2))
+            out["forward"] = outcome(lambda: run_session(rank.model, kv, calls=2))
         out["refused_at"] = kv.count
         out["forward_unchanged"] = rank.runtime.state() == kv.before
         rank.runtime.release("a")
@@ -165,8 +157,8 @@ def dreamzero_divergence_task(state: dict, digest_every: int) -> dict:
         kv = _Recorder(rank.model, rank.runtime, "s", lambda kind, branch: rank.forward("s", kind, branch),
                        blocks=blocks, before=diverge)
         with torch.no_grad(), start_frame_is_a_value():
-            outcome = _outcome(lambda: run_session(rank.model, kv, calls=3))
-        return {"outcome": outcome, "detected_at": kv.count, "blocks_in_failed_forward": blocks["blocks"] - kv.blocks_before,
+            result = outcome(lambda: run_session(rank.model, kv, calls=3))
+        return {"outcome": result, "detected_at": kv.count, "blocks_in_failed_forward": blocks["blocks"] - kv.blocks_before,
                 "before": kv.before, "after": rank.runtime.state()}
 
 
@@ -192,7 +184,7 @@ def hunyuan_fault_task(states: list[dict]) -> dict:
         before = rank.runtime.state()
         armed["on"] = True
         first_step = dict(req, hidden=req["hidden"][:2])
-        out["fault"] = _outcome(lambda: run_layers(rank.layers, first_step, faulty, autocast=None, start=1))
+        out["fault"] = outcome(lambda: run_layers(rank.layers, first_step, faulty, autocast=None, start=1))
         out["fault_unchanged"] = rank.runtime.state() == before
         armed["on"] = False
         rank.runtime.release("r")
@@ -204,7 +196,7 @@ def hunyuan_fault_task(states: list[dict]) -> dict:
         small = RankRuntime(PagedKVRuntime(cfg), parallel)
         before = small.state()
         spec = rank.adapter.spec(req["mask"], req["scatter"], req["step"]["position_ids"].shape[1])
-        out["admit"] = _outcome(lambda: small.admit("r2", spec))
+        out["admit"] = outcome(lambda: small.admit("r2", spec))
         out["admit_unchanged"] = small.state() == before
         out["state"] = rank.runtime.state()
         return out

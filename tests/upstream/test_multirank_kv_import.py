@@ -17,7 +17,7 @@ from paged_kv_compile.distributed import ParallelConfig, RankRuntime
 from paged_kv_compile.families.hunyuan_image3 import hunyuan_runtime_config, hunyuan_spec
 from paged_kv_compile.models.hunyuan_image3 import HunyuanImage3Config
 
-from .multirank import RankPool
+from .multirank import RankPool, outcome
 
 CFG = HunyuanImage3Config()  # 2 KV heads: one per TP rank
 P, B = 12, 4
@@ -29,14 +29,6 @@ TIMEOUT_S = 600.0  # per call: a loaded 2-core machine must never time one out
 def gloo_ranks():
     with RankPool(2, engine=False) as pool:
         yield pool
-
-
-def _outcome(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the outcome is what the test compares
-        return type(e).__name__, str(e)
-    return "ok", ""
 
 
 def _producer(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,17 +62,17 @@ def tp_import_task() -> dict:
         with rt.forward(rid, "step", prefix_capacity=P, **args):
             pass
 
-    out["not_ready"] = _outcome(step)
+    out["not_ready"] = outcome(step)
     # rank 1's producer gives the wrong head dim: refused on rank 1, so on both; rank 0 had written its pages
     before, pool = runtime.state(), runtime.pool.tensor.clone()
     bad = full if rank == 0 else [(k[..., :8], v[..., :8]) for k, v in full]
-    out["one_rank_refuses"] = _outcome(lambda: kv_import.import_dense(rt, ticket, bad))
+    out["one_rank_refuses"] = outcome(lambda: kv_import.import_dense(rt, ticket, bad))
     out["put_back"] = (runtime.state() == before and torch.equal(runtime.pool.tensor, pool)
                        and runtime.owner("r").state.imported.missing() == {0: [0, 1, 2], 1: [0, 1]})
-    out["still_not_ready"] = _outcome(step)
+    out["still_not_ready"] = outcome(step)
     kv_import.import_dense(rt, ticket, full)  # each rank slices its own TP head from the full-head K/V
     out["sliced_heads"] = _holds(runtime, "r", full, rank)
-    out["ready"] = _outcome(lambda: step(import_generation=ticket.generation))
+    out["ready"] = outcome(lambda: step(import_generation=ticket.generation))
     # per-rank producers: each rank brings only its own head
     mine = _producer(2)
     own = kv_import.reserve(rt, "q", SPEC, prefix_capacity=P)
@@ -88,8 +80,8 @@ def tp_import_task() -> dict:
     out["own_heads"] = _holds(runtime, "q", mine, rank)
     # a re-made reservation: the old ticket is refused on every rank, and a step naming its generation too
     renewed = kv_import.renew(rt, "q", prefix_capacity=P)
-    out["stale_import"] = _outcome(lambda: kv_import.import_dense(rt, own, mine))
-    out["stale_step"] = _outcome(lambda: step("q", import_generation=own.generation))
+    out["stale_import"] = outcome(lambda: kv_import.import_dense(rt, own, mine))
+    out["stale_step"] = outcome(lambda: step("q", import_generation=own.generation))
     out["generations"] = (own.generation, renewed.generation)
     for rid in ("r", "q"):
         rt.release(rid)

@@ -19,7 +19,7 @@ from paged_kv_compile.distributed import ParallelConfig, RankRuntime
 from paged_kv_compile.families.dreamzero import DreamZeroSpec, dreamzero_runtime_config, session_blocks_per_row
 from paged_kv_compile.models.dreamzero import DreamZeroConfig
 
-from .multirank import RankPool
+from .multirank import RankPool, outcome
 
 CFG = DreamZeroConfig(num_layers=2, frame_seqlen=4, num_frame_per_block=1, local_attn_size=3, window_reset_frames=64,
                       action_register_length=2, text_len=6)
@@ -35,14 +35,6 @@ def gloo_ranks():
 
 def _rank() -> int:
     return dist.get_rank()
-
-
-def _outcome(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the outcome is what the tests compare
-        return type(e).__name__, str(e)
-    return "ok", ""
 
 
 def _runtime(parallel: ParallelConfig, *, sessions: int = 1, smaller_on: int | None = None,
@@ -76,10 +68,10 @@ def different_arguments_task() -> dict:
         with rt.forward("s", "denoise", branch=_rank()):
             out["body_ran"] = True
 
-    out["forward"] = _outcome(differ)
+    out["forward"] = outcome(differ)
     out["forward_unchanged"] = rt.state() == before
     other = SPEC if _rank() == 0 else dataclasses.replace(SPEC, commit_action_tokens=0)
-    out["admit"] = _outcome(lambda: rt.admit("t", other, rows=1))
+    out["admit"] = outcome(lambda: rt.admit("t", other, rows=1))
     out["admit_unchanged"] = rt.state() == before
     with rt.forward("s", "denoise", branch=1):  # the ranks are still in step
         pass
@@ -95,7 +87,7 @@ def refused_admission_then_scales_task() -> dict:
                   kv_dtype=torch.float8_e4m3fn)
     allocator = rt.runtime.scheduler.allocator
     rt.admit("small", SPEC, rows=1)
-    out = {"admit": _outcome(lambda: rt.admit("big", SPEC, rows=1))}
+    out = {"admit": outcome(lambda: rt.admit("big", SPEC, rows=1))}
     out["same_allocator"] = rt.runtime.scheduler.allocator is allocator
     with rt.forward("small", "commit"):
         pass
@@ -103,11 +95,11 @@ def refused_admission_then_scales_task() -> dict:
     out["held"] = live.num_blocks - live.num_free
     out["guard_sees"] = rt.pool.blocks_held()
     scales = rt.pool.scales.clone()
-    out["pool_set_scales"] = _outcome(lambda: rt.pool.set_scales(0.01, 0.01))
-    out["voted_set_scales"] = _outcome(lambda: rt.set_scales(0.01, 0.01))
+    out["pool_set_scales"] = outcome(lambda: rt.pool.set_scales(0.01, 0.01))
+    out["voted_set_scales"] = outcome(lambda: rt.set_scales(0.01, 0.01))
     out["scales_unchanged"] = torch.equal(rt.pool.scales, scales)
     rt.release("small")
-    out["free_set_scales"] = _outcome(lambda: rt.set_scales(0.5, 0.25))  # nothing held on any rank: accepted
+    out["free_set_scales"] = outcome(lambda: rt.set_scales(0.5, 0.25))  # nothing held on any rank: accepted
     out["scales_set"] = bool((rt.pool.scales[0] == 0.5).all() and (rt.pool.scales[1] == 0.25).all())
     out["state"] = rt.state()
     return out
@@ -127,7 +119,7 @@ def attention_check_before_vote_task() -> dict:
             if _rank() == 0:
                 rt.active.record_layers(range(CFG.num_layers))
 
-    out = {"commit": _outcome(commit), "unchanged": rt.state() == before}
+    out = {"commit": outcome(commit), "unchanged": rt.state() == before}
     out["state"] = rt.state()
     return out
 
@@ -140,9 +132,9 @@ def tensor_parallel_regions_task() -> dict:
     full = [torch.randn(2, 2, CFG.cross_len, CFG.num_heads, CFG.head_dim, generator=gen) for _ in range(CFG.num_layers)]
     heads = slice(_rank() * CFG.num_heads // 2, (_rank() + 1) * CFG.num_heads // 2)
     mine = [t[..., heads, :].contiguous() for t in full]
-    out = {"admit": _outcome(lambda: rt.admit("s", SPEC, rows=2, cross_kv=mine, cache_salt="tenant"))}
-    out["second"] = _outcome(lambda: rt.admit("t", SPEC, rows=2, cross_kv=mine, cache_salt="tenant"))  # shares
-    out["release"] = _outcome(lambda: rt.release("s"))
+    out = {"admit": outcome(lambda: rt.admit("s", SPEC, rows=2, cross_kv=mine, cache_salt="tenant"))}
+    out["second"] = outcome(lambda: rt.admit("t", SPEC, rows=2, cross_kv=mine, cache_salt="tenant"))  # shares
+    out["release"] = outcome(lambda: rt.release("s"))
     out["state"] = rt.state()
     return out
 
